@@ -1,0 +1,36 @@
+# PolyKV developer entry points. Two commands matter:
+#   make demo   the main job on the embedded default (see README)
+#   make test   the whole suite, lint and type checks included (what CI runs)
+SHELL := /bin/bash
+VENV  := .venv
+PY    := $(VENV)/bin/python
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: setup demo test lint typecheck pytest models bench clean
+
+setup:
+	@scripts/setup.sh
+
+models: setup
+	@scripts/models.sh
+
+demo: setup models
+	@scripts/demo.sh
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+pytest: setup models
+	$(VENV)/bin/pytest
+
+test: lint typecheck pytest
+
+bench: setup models
+	$(PY) -m bench.run_all
+
+clean:
+	rm -rf $(VENV) .run models

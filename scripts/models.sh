@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Generate the deterministic test and bench models (seconds). A model is rebuilt when the
+# generator's source changes, so tests never run against a stale file.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p models
+GEN_HASH="$(sha1sum engine_image/polykv_engine/make_model.py | cut -c1-12)"
+for preset in test bench; do
+  out="models/polykv-$preset.gguf"
+  if [[ ! -s "$out" || "$(cat "$out.stamp" 2>/dev/null)" != "$GEN_HASH" ]]; then
+    .venv/bin/polykv-make-model --preset "$preset" "$out"
+    echo "$GEN_HASH" > "$out.stamp"
+  fi
+done
