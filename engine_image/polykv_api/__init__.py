@@ -1,0 +1,1 @@
+"""The PolyKV wire contract (pydantic models) and its HTTP client."""

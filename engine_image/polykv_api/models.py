@@ -1,0 +1,243 @@
+"""The PolyKV wire contract: every request and response body the engine speaks.
+
+This module is the single source of truth for field names, types and defaults. The engine
+parses requests with it, the operator and the tests read responses with it, and the engine's
+OpenAPI document is generated from it. It must never import llama_cpp or kopf.
+
+Request models accept unknown fields (llama-server clients send many we do not use); the
+engine reports them back in the ``X-PolyKV-Ignored-Fields`` header instead of dropping them
+silently.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    def ignored_fields(self) -> list[str]:
+        """Names of body fields this engine does not understand (echoed, never silent)."""
+        return sorted((self.model_extra or {}).keys())
+
+
+class SamplingFields(_Request):
+    """Generation settings shared by every completion route (llama-server names)."""
+
+    temperature: float = Field(0.8, ge=0.0, le=100.0)
+    top_k: int = Field(40, ge=0)
+    top_p: float = Field(0.95, ge=0.0, le=1.0)
+    min_p: float = Field(0.05, ge=0.0, le=1.0)
+    seed: int = Field(-1, ge=-1, le=2**32 - 1, description="-1 picks a random seed")
+    repeat_penalty: float = Field(1.0, ge=0.0)
+    repeat_last_n: int = Field(64, ge=-1)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    ignore_eos: bool = False
+    stream: bool = False
+    cache_prompt: bool = True
+    session_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="Continuation key; the x-session-id header is an alternative",
+    )
+    id_slot: int = Field(-1, ge=-1)
+    overcommit: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, value: list[str]) -> list[str]:
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+
+PromptPart = str | int
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /completion`` (llama-server native)."""
+
+    prompt: str | list[PromptPart]
+    n_predict: int = Field(-1, ge=-1, description="-1 generates until EOS or the context ends")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_tokens_valid(cls, value: str | list[PromptPart]) -> str | list[PromptPart]:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("prompt must not be an empty list")
+            if any(isinstance(p, int) and p < 0 for p in value):
+                raise ValueError("token ids must be >= 0")
+        return value
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class OAICompletionRequest(SamplingFields):
+    """``POST /v1/completions`` (OpenAI legacy completions)."""
+
+    model: str | None = None
+    prompt: str | list[PromptPart] | list[str]
+    max_tokens: int | None = Field(None, ge=0, description="absent: until EOS (llama-server)")
+    n: int = Field(1, ge=1, le=1, description="only one choice per request is supported")
+    echo: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("prompt must not be an empty list")
+            if len(value) > 1 and all(isinstance(p, str) for p in value):
+                raise ValueError("only one prompt per request is supported")
+            if len(value) == 1 and isinstance(value[0], str):
+                return value[0]
+        return value
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _text_parts_only(self) -> ChatMessage:
+        if isinstance(self.content, list):
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts are supported")
+        return self
+
+    def text(self) -> str:
+        """The message content as one string (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(str(part["text"]) for part in self.content)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"] = Field(
+        "text", description="only plain text; JSON modes need a grammar, not supported yet"
+    )
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``; the prompt is rendered with the model's chat template."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    n: int = Field(1, ge=1, le=1, description="only one choice per request is supported")
+    response_format: ResponseFormat | None = None
+    stream_options: StreamOptions | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Request):
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Request):
+    tokens: list[TokenId]
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class Timings(BaseModel):
+    """Per-response timings, llama-server compatible."""
+
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+    cache_n: int = Field(description="prompt tokens reused from the KV cache, not recomputed")
+
+
+class ErrorDetail(BaseModel):
+    code: int
+    message: str
+    type: str
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class SessionTps(BaseModel):
+    session_id: str | None
+    slot: int
+    pool_id: int | None = None
+    state: Literal["idle", "prefill", "decoding"]
+    tps_ewma: float = Field(description="experienced decode tokens/s of the current turn")
+    warming: bool
+    ctx_used: int
+    ctx_total: int
+    ctx_headroom_tokens: int
+
+
+class TpsSnapshot(BaseModel):
+    """``GET /polykv/tps``: one JSON object, or one SSE event every interval."""
+
+    ts: float
+    aggregate_tps: float = Field(description="decoded tokens/s across all sessions (EWMA)")
+    prefill_tps: float = Field(description="prompt tokens/s processed (EWMA), apart from decode")
+    mean_active_tps: float = Field(description="mean tps_ewma over decoding, non-warming sessions")
+    n_active: int
+    n_warming: int
+    sessions: list[SessionTps]
+
+
+class PolykvProps(BaseModel):
+    """The ``polykv`` block of ``GET /props``."""
+
+    boot_id: str
+    version: str
+    n_parallel: int
+    max_pools: int
+    seq_ids_max: int
+    kv_unified: bool
+    n_ctx: int
+    n_ctx_slot: int
+    kv_bytes_per_token: int
+    tps_window_tokens: int
+    tps_window_seconds: float
+    tps_stream_interval_ms: int
+    context_shift: bool

@@ -1,0 +1,69 @@
+"""Render chat messages to a prompt with the model's own Jinja chat template (pure).
+
+The template comes from the GGUF (``tokenizer.chat_template``), as llama-server does with
+``--jinja``. It runs in a sandboxed Jinja environment: templates are data from a model file.
+A model without a template falls back to ChatML.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The messages could not be rendered (the template raised or is malformed)."""
+
+
+def _raise(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+class ChatRenderer:
+    def __init__(self, template: str | None, bos_token: str, eos_token: str) -> None:
+        self.source = template or CHATML_TEMPLATE
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(self.source)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from exc
+        self._bos = bos_token
+        self._eos = eos_token
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        variables: dict[str, Any] = dict(extra or {})
+        variables.update(
+            messages=messages,
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._bos,
+            eos_token=self._eos,
+        )
+        try:
+            return self._template.render(**variables)
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc

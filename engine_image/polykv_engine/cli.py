@@ -1,0 +1,181 @@
+"""``polykv-engine``: llama-server's command line, plus the PolyKV flags.
+
+A user's llama-server command keeps working: ``-m``, ``-c``, ``-np``, ``--kv-unified``,
+``-b``, ``-ub``, ``-t``, ``-ngl``, ``--host``, ``--port``, ``--api-key``, ``--metrics``,
+``--context-shift``; environment variables follow llama-server's ``LLAMA_ARG_*`` names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .engine import Engine, EngineConfig
+from .runtime import RuntimeConfig
+from .server import ServerSettings, serve
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: easy to ship to any log pipeline."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def _env(name: str, default: Any) -> Any:
+    return os.environ.get(f"LLAMA_ARG_{name}", default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="polykv-engine",
+        description="llama.cpp server with first-class shared-prefix KV pools (PolyKV)",
+    )
+    p.add_argument("-m", "--model", type=Path, default=_env("MODEL", None), help="GGUF model path")
+    p.add_argument("-a", "--alias", default=_env("ALIAS", None), help="model name in responses")
+    p.add_argument("-c", "--ctx-size", type=int, default=int(_env("CTX_SIZE", 4096)),
+                   help="KV cache size in tokens (0 = the model's training context)")
+    p.add_argument("-np", "--parallel", type=int, default=int(_env("N_PARALLEL", 1)),
+                   help="decoding slots (concurrent sessions)")
+    unified = p.add_mutually_exclusive_group()
+    unified.add_argument("-kvu", "--kv-unified", dest="kv_unified", action="store_true", default=True,
+                         help="one KV buffer shared by all sequences (default; pools need it)")
+    unified.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_false")
+    p.add_argument("-b", "--batch-size", type=int, default=int(_env("BATCH", 2048)))
+    p.add_argument("-ub", "--ubatch-size", type=int, default=int(_env("UBATCH", 512)))
+    p.add_argument("-t", "--threads", type=int, default=int(_env("THREADS", 0)),
+                   help="CPU threads for decoding (0 = all cores)")
+    p.add_argument("-tb", "--threads-batch", type=int, default=int(_env("THREADS_BATCH", 0)))
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int,
+                   default=int(_env("N_GPU_LAYERS", 0)))
+    p.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default=_env("FLASH_ATTN", "auto"),
+                   help="auto: on only when layers are offloaded (CPU decode is faster without)")
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(_env("PORT", 8080)))
+    p.add_argument("--api-key", action="append", default=[],
+                   help="key for every route but /health and /metrics (repeatable)")
+    p.add_argument("--api-key-file", type=Path, help="file with one API key per line")
+    p.add_argument("--metrics", action="store_true", default=bool(_env("ENDPOINT_METRICS", "")),
+                   help="enable the Prometheus /metrics endpoint")
+    p.add_argument("--context-shift", action="store_true",
+                   help="when a session fills its context, discard old tokens and go on")
+    p.add_argument("--polykv-max-pools", type=int, default=16,
+                   help="sequence ids reserved for pools above the slots")
+    p.add_argument("--polykv-admin-key", action="append", default=[],
+                   help="key for mutating /polykv routes (default: the API key)")
+    p.add_argument("--polykv-tps-interval-ms", type=int, default=500,
+                   help="cadence of the /polykv/tps SSE stream")
+    p.add_argument("--shutdown-timeout", type=float, default=20.0,
+                   help="seconds in-flight requests get to finish on SIGTERM")
+    p.add_argument("--log-format", choices=["text", "json"], default="text")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def _keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    keys = [k for k in args.api_key if k]
+    env_key = os.environ.get("LLAMA_API_KEY")
+    if env_key:
+        keys.append(env_key)
+    if args.api_key_file:
+        try:
+            keys += [ln.strip() for ln in args.api_key_file.read_text().splitlines() if ln.strip()]
+        except OSError as exc:
+            parser.error(f"--api-key-file: {exc}")
+    return tuple(keys)
+
+
+def config_from_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerSettings, argparse.Namespace]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model is None:
+        parser.error("a model is required: -m/--model PATH.gguf")
+    if not args.model.is_file():
+        parser.error(f"model file not found: {args.model}")
+    for name, value, low in (
+        ("--parallel", args.parallel, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--ubatch-size", args.ubatch_size, 1),
+        ("--ctx-size", args.ctx_size, 0),
+        ("--polykv-max-pools", args.polykv_max_pools, 0),
+        ("--threads", args.threads, 0),
+        ("--port", args.port, 0),
+    ):
+        if value < low:
+            parser.error(f"{name} must be >= {low}, got {value}")
+    if args.polykv_max_pools > 0 and not args.kv_unified:
+        parser.error(
+            "pools need a unified KV cache: llama.cpp aborts on a partial copy between the "
+            "streams of a split cache. Drop --no-kv-unified or pass --polykv-max-pools 0."
+        )
+    if not 50 <= args.polykv_tps_interval_ms <= 60_000:
+        parser.error("--polykv-tps-interval-ms must be between 50 and 60000")
+    api_keys = _keys(args, parser)
+    runtime = RuntimeConfig(
+        model_path=args.model,
+        n_ctx=args.ctx_size,
+        n_batch=args.batch_size,
+        n_ubatch=args.ubatch_size,
+        n_threads=args.threads,
+        n_threads_batch=args.threads_batch,
+        n_gpu_layers=args.n_gpu_layers,
+        kv_unified=args.kv_unified,
+        flash_attn=args.flash_attn,
+    )
+    engine_cfg = EngineConfig(
+        runtime=runtime,
+        n_parallel=args.parallel,
+        max_pools=args.polykv_max_pools,
+        context_shift=args.context_shift,
+    )
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_keys=api_keys,
+        admin_keys=tuple(args.polykv_admin_key) or api_keys,
+        metrics=args.metrics,
+        model_alias=args.alias,
+        tps_stream_interval_ms=args.polykv_tps_interval_ms,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    return engine_cfg, settings, args
+
+
+def setup_logging(fmt: str, verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        formatter.converter = time.gmtime
+        handler.setFormatter(formatter)
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
+
+
+def main(argv: list[str] | None = None) -> int:
+    engine_cfg, settings, args = config_from_args(argv)
+    setup_logging(args.log_format, args.verbose)
+    if not settings.api_keys:
+        logging.getLogger("polykv").warning(
+            "no --api-key given: every route is open; pass a key outside local development"
+        )
+    return asyncio.run(serve(Engine(engine_cfg), settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""What every HTTP handler needs: the engine, the server settings, and prompt helpers."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from polykv_api.models import ChatCompletionRequest, PromptPart
+
+from .chat import ChatRenderer, ChatTemplateError
+from .engine import Engine
+from .http_errors import ApiError
+from .runtime import LlamaRuntime
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()
+    metrics: bool = False
+    model_alias: str | None = None
+    tps_stream_interval_ms: int = 500
+    shutdown_timeout_s: float = 20.0
+    max_body_bytes: int = 32 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class AppContext:
+    engine: Engine
+    settings: ServerSettings
+    boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    draining: bool = False
+    _renderer: ChatRenderer | None = None
+
+    @property
+    def rt(self) -> LlamaRuntime:
+        if self.engine.runtime is None or not self.engine.ready:
+            raise ApiError(503, "Loading model", "unavailable_error", {"Retry-After": "1"})
+        return self.engine.runtime
+
+    @property
+    def model_name(self) -> str:
+        if self.settings.model_alias:
+            return self.settings.model_alias
+        return str(self.engine.cfg.runtime.model_path.name)
+
+    @property
+    def renderer(self) -> ChatRenderer:
+        if self._renderer is None:
+            rt = self.rt
+            self._renderer = ChatRenderer(
+                rt.info.chat_template,
+                rt.token_bytes(rt.info.bos, special=True).decode("utf-8", "replace"),
+                rt.token_bytes(rt.info.eos, special=True).decode("utf-8", "replace"),
+            )
+        return self._renderer
+
+    # ------------------------------------------------------------------ prompts → tokens
+
+    def tokenize_prompt(self, prompt: str | list[PromptPart] | list[str]) -> list[int]:
+        """llama-server rules: text gets BOS (if the model wants it) and special tokens parsed;
+        a list mixes token ids and text pieces."""
+        rt = self.rt
+        if isinstance(prompt, str):
+            tokens = rt.tokenize(prompt, add_special=True, parse_special=True)
+        else:
+            tokens = []
+            for i, part in enumerate(prompt):
+                if isinstance(part, int):
+                    if not rt.valid_token(part):
+                        raise ApiError(
+                            400, f"prompt[{i}]: token id {part} is outside the vocabulary "
+                            f"(n_vocab={rt.info.n_vocab})"
+                        )
+                    tokens.append(part)
+                else:
+                    tokens.extend(rt.tokenize(part, add_special=(i == 0), parse_special=True))
+        return self.check_prompt_fits(tokens)
+
+    def render_chat(self, req: ChatCompletionRequest) -> str:
+        messages: list[dict[str, Any]] = []
+        for m in req.messages:
+            d = m.model_dump(exclude_none=True)
+            d["content"] = m.text()
+            messages.append(d)
+        try:
+            text = self.renderer.render(messages, req.tools, True, req.chat_template_kwargs)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc)) from exc
+        bos = self.renderer._bos
+        if self.rt.info.add_bos and bos and text.startswith(bos):
+            text = text[len(bos) :]  # tokenization adds BOS itself; never twice
+        return text
+
+    def check_prompt_fits(self, tokens: list[int]) -> list[int]:
+        if not tokens:
+            raise ApiError(400, "the prompt is empty")
+        n_ctx = self.engine.snapshot.slots[0].n_ctx if self.engine.snapshot.slots else 0
+        if len(tokens) >= n_ctx:
+            raise ApiError(
+                400,
+                f"the request exceeds the available context size: the prompt has "
+                f"{len(tokens)} tokens and a slot's context is {n_ctx}",
+                "exceed_context_size_error",
+                extra={"n_prompt_tokens": len(tokens), "n_ctx": n_ctx},
+            )
+        return tokens
+
+
+APP_KEY = web.AppKey("polykv", AppContext)
+
+
+def ctx_of(request: web.Request) -> AppContext:
+    return request.app[APP_KEY]

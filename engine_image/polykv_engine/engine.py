@@ -1,0 +1,587 @@
+"""The engine thread: it alone owns the llama context, the KV cache and the slot table.
+
+HTTP handlers talk to it only through ``submit`` / ``cancel`` / ``call`` (thread-safe inbox)
+and read the published ``snapshot``. Each iteration of the loop is one step:
+
+    drain inbox -> assign waiting requests to slots -> build ONE batch -> llama_decode -> update
+
+A batch carries one token for every decoding slot plus prompt chunks of slots still in
+prefill, up to n_batch tokens, so new prompts join running generations mid-flight
+(continuous batching). Requests beyond the slot count wait in FIFO order; none is dropped.
+
+Sequence-id layout (reserved now for pools): slots use ids ``0..n_parallel-1``; ids
+``n_parallel..n_parallel+max_pools-1`` are kept for pools.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+from .runtime import Batch, LlamaError, LlamaRuntime, RuntimeConfig, Sampler
+from .slot_choice import SlotView, choose_slot, common_prefix_len
+from .snapshot import Counters, EngineSnapshot, SlotSnapshot, SlotState
+from .tasks import DoneEvent, ErrorEvent, GenerateTask, GenerationResult, StopType, TokenEvent
+from .textstream import TextAssembler
+from .tps import SessionRate, ThroughputRate
+
+log = logging.getLogger("polykv.engine")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    runtime: RuntimeConfig
+    n_parallel: int = 1
+    max_pools: int = 16
+    context_shift: bool = False
+    tps_window_tokens: int = 128
+    tps_window_s: float = 2.0
+
+
+@dataclass(slots=True)
+class Slot:
+    """One decoding sequence. Mutated only on the engine thread."""
+
+    slot_id: int
+    n_ctx: int
+    rate: SessionRate
+    state: SlotState = "idle"
+    cache_tokens: list[int] = field(default_factory=list)  # exactly what is in KV for this seq
+    session_id: str | None = None
+    last_used: float = 0.0
+    task: GenerateTask | None = None
+    sampler: Sampler | None = None
+    prompt: list[int] = field(default_factory=list)
+    n_prompt_done: int = 0  # prompt tokens already in KV (cached or prefilled)
+    n_cached: int = 0
+    generated: list[int] = field(default_factory=list)
+    pending: int | None = None  # sampled, not yet decoded into KV
+    assembler: TextAssembler = field(default_factory=TextAssembler)
+    t_start: float = 0.0
+    t_first: float = 0.0
+    seed: int = 0
+    logits_idx: int = -1  # index in the current batch whose logits this slot samples
+    batch_tokens: int = 0  # tokens this slot put in the current batch
+
+    def view(self) -> SlotView:
+        return SlotView(
+            self.slot_id, self.state == "idle", self.session_id, self.cache_tokens, self.last_used
+        )
+
+
+class Engine:
+    """Owns the engine thread. Construct, ``start()``, then submit tasks."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="polykv-engine", daemon=True)
+        self._ready = threading.Event()
+        self._stopped = threading.Event()
+        self.load_error: BaseException | None = None
+        self.runtime: LlamaRuntime | None = None
+        self.snapshot = EngineSnapshot(ts=time.time(), ready=False)
+        self._slots: list[Slot] = []
+        self._waiting: deque[GenerateTask] = deque()
+        self._session_slot: dict[str, int] = {}
+        self._decode_rate = ThroughputRate(cfg.tps_window_s)
+        self._prefill_rate = ThroughputRate(cfg.tps_window_s)
+        self._counters = Counters()
+        self._batch: Batch | None = None
+        self._stop_requested = False
+
+    # ------------------------------------------------------------------ any thread
+
+    @property
+    def n_seq_max(self) -> int:
+        return self.cfg.n_parallel + self.cfg.max_pools
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._ready.wait(timeout)
+        return self.runtime is not None and self.snapshot.ready
+
+    @property
+    def ready(self) -> bool:
+        return self.snapshot.ready
+
+    def submit(self, task: GenerateTask) -> None:
+        task.submitted_at = time.perf_counter()
+        self._inbox.put(("submit", task))
+
+    def cancel(self, task_id: int) -> None:
+        self._inbox.put(("cancel", task_id))
+
+    def call(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn(engine)`` on the engine thread between steps; the future has its result."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, fut)))
+        return fut
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except BaseException as exc:  # reported through /health; the server exits
+            self.load_error = exc
+            log.error("engine failed to start: %s", exc)
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while not self._stop_requested:
+                self._drain_inbox(block=not self._has_work())
+                if self._stop_requested:
+                    break
+                self._assign_waiting()
+                if any(s.state != "idle" for s in self._slots):
+                    self._step()
+                self._publish()
+        except BaseException:
+            log.exception("engine loop crashed")
+            raise
+        finally:
+            self._shutdown()
+
+    def _load(self) -> None:
+        rcfg = replace(self.cfg.runtime, n_seq_max=self.n_seq_max)
+        t0 = time.perf_counter()
+        rt = LlamaRuntime(rcfg)
+        self.runtime = rt
+        n_ctx_slot = min(rt.n_ctx_seq, rt.info.n_ctx_train or rt.n_ctx_seq)
+        self._slots = [
+            Slot(i, n_ctx_slot, SessionRate(self.cfg.tps_window_tokens, self.cfg.tps_window_s))
+            for i in range(self.cfg.n_parallel)
+        ]
+        self._batch = rt.new_batch()
+        log.info(
+            "model loaded in %.2fs: %s, n_ctx=%d (per slot %d), n_batch=%d, slots=%d, "
+            "seq ids=%d (pools reserved %d), kv_unified=%s",
+            time.perf_counter() - t0,
+            rt.info.description,
+            rt.n_ctx,
+            n_ctx_slot,
+            rt.n_batch,
+            self.cfg.n_parallel,
+            self.n_seq_max,
+            self.cfg.max_pools,
+            rcfg.kv_unified,
+        )
+        self._publish(ready=True)
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting) or any(s.state != "idle" for s in self._slots)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: tuple[str, Any]) -> None:
+        kind, payload = item
+        if kind == "submit":
+            self._waiting.append(payload)
+        elif kind == "cancel":
+            self._cancel(payload)
+        elif kind == "call":
+            fn, fut = payload
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self))
+                except BaseException as exc:
+                    fut.set_exception(exc)
+        elif kind == "stop":
+            self._stop_requested = True
+
+    def _cancel(self, task_id: int) -> None:
+        for task in list(self._waiting):
+            if task.task_id == task_id:
+                self._waiting.remove(task)
+                self._bump(requests_cancelled=1)
+                return
+        for slot in self._slots:
+            if slot.task is not None and slot.task.task_id == task_id:
+                log.info("slot %d: request %d cancelled by the client", slot.slot_id, task_id)
+                self._release(slot)
+                self._bump(requests_cancelled=1)
+                return
+
+    # ------------------------------------------------------------------ admission to slots
+
+    def _assign_waiting(self) -> None:
+        if not self._waiting:
+            return
+        still: deque[GenerateTask] = deque()
+        views = [s.view() for s in self._slots]
+        while self._waiting:
+            task = self._waiting.popleft()
+            session_slot = self._session_slot.get(task.session_id) if task.session_id else None
+            if task.id_slot >= len(self._slots):
+                self._fail(task, 400, "invalid_request_error", f"id_slot {task.id_slot} does not exist")
+                continue
+            chosen = choose_slot(views, task.prompt, session_slot, task.id_slot, task.cache_prompt)
+            if chosen is None:
+                still.append(task)
+                continue
+            self._begin(self._slots[chosen], task)
+            views[chosen] = self._slots[chosen].view()
+        self._waiting = still
+
+    def _begin(self, slot: Slot, task: GenerateTask) -> None:
+        rt = self._rt
+        now = time.perf_counter()
+        if slot.session_id is not None and slot.session_id != task.session_id:
+            # Another session takes this slot: the previous one loses its affinity.
+            self._session_slot.pop(slot.session_id, None)
+            slot.session_id = None
+        if task.session_id is not None:
+            self._session_slot[task.session_id] = slot.slot_id
+            slot.session_id = task.session_id
+        keep = common_prefix_len(slot.cache_tokens, task.prompt) if task.cache_prompt else 0
+        keep = min(keep, len(task.prompt) - 1)  # the last prompt token is recomputed for logits
+        rt.seq_rm(slot.slot_id, keep, -1)
+        del slot.cache_tokens[keep:]
+        sampling = task.sampling.resolved()
+        slot.sampler = rt.new_sampler(sampling)
+        if sampling.has_penalties:
+            for tok in task.prompt[-sampling.repeat_last_n :] if sampling.repeat_last_n > 0 else task.prompt:
+                slot.sampler.accept(tok)
+        slot.seed = sampling.seed
+        slot.task = task
+        slot.state = "prefill"
+        slot.prompt = task.prompt
+        slot.n_prompt_done = keep
+        slot.n_cached = keep
+        slot.generated = []
+        slot.pending = None
+        slot.assembler = TextAssembler(list(task.stop.stops))
+        slot.rate.reset()
+        slot.t_start = now
+        slot.t_first = 0.0
+        slot.last_used = time.time()
+        log.debug(
+            "slot %d: request %d (session %s) prompt=%d cached=%d",
+            slot.slot_id,
+            task.task_id,
+            task.session_id,
+            len(task.prompt),
+            keep,
+        )
+
+    # ------------------------------------------------------------------ one step
+
+    @property
+    def _rt(self) -> LlamaRuntime:
+        assert self.runtime is not None
+        return self.runtime
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        batch = self._batch
+        assert batch is not None
+        while True:
+            self._build_batch(batch)
+            if batch.n == 0:
+                return
+            td = time.perf_counter()
+            try:
+                rc = self._rt.decode(batch)
+            except LlamaError as exc:
+                self._abort_batch(str(exc))
+                return
+            t_decode = time.perf_counter() - td
+            self._bump(decode_calls=1, decode_seconds=t_decode)
+            if rc == 0:
+                break
+            if not self._make_room():
+                return
+        self._after_decode(time.perf_counter())
+        self._bump(step_seconds=time.perf_counter() - t0)
+
+    def _build_batch(self, batch: Batch) -> None:
+        batch.clear()
+        budget = batch.capacity
+        for slot in self._slots:
+            slot.logits_idx = -1
+            slot.batch_tokens = 0
+        for slot in self._slots:
+            if slot.state == "decoding" and slot.pending is not None and budget > 0:
+                slot.logits_idx = batch.add(slot.pending, len(slot.cache_tokens), slot.slot_id, True)
+                slot.batch_tokens = 1
+                budget -= 1
+        # Prompts in arrival order, so an early long prompt is not starved by later short ones.
+        prefilling = sorted(
+            (s for s in self._slots if s.state == "prefill"), key=lambda s: s.t_start
+        )
+        for slot in prefilling:
+            if budget <= 0:
+                break
+            remaining = len(slot.prompt) - slot.n_prompt_done
+            n = min(remaining, budget)
+            chunk = slot.prompt[slot.n_prompt_done : slot.n_prompt_done + n]
+            last = batch.add_span(chunk, len(slot.cache_tokens), slot.slot_id, n == remaining)
+            if n == remaining:
+                slot.logits_idx = last
+            slot.batch_tokens = n
+            budget -= n
+
+    def _abort_batch(self, reason: str) -> None:
+        """A decode failed hard: fail every request in the batch and forget their KV."""
+        log.error("llama_decode failed: %s; failing %d request(s)", reason, self._batch_slots())
+        for slot in self._slots:
+            if slot.batch_tokens and slot.task is not None:
+                self._fail_slot(slot, 500, "server_error", f"decode failed: {reason}")
+                self._rt.seq_rm(slot.slot_id, -1, -1)
+                slot.cache_tokens.clear()
+
+    def _batch_slots(self) -> int:
+        return sum(1 for s in self._slots if s.batch_tokens)
+
+    def _make_room(self) -> bool:
+        """llama_decode found no free KV cells. Free some, or shed work; True to retry."""
+        self._bump(kv_full_events=1)
+        # 1. Prompt caches of idle slots are only an optimisation: drop the oldest.
+        idle = sorted(
+            (s for s in self._slots if s.state == "idle" and s.cache_tokens),
+            key=lambda s: s.last_used,
+        )
+        if idle:
+            victim = idle[0]
+            log.info("KV cache full: dropping idle slot %d's prompt cache", victim.slot_id)
+            self._rt.seq_rm(victim.slot_id, -1, -1)
+            victim.cache_tokens.clear()
+            return True
+        # 2. Prompts still prefilling can wait until running sessions finish.
+        active = [s for s in self._slots if s.state != "idle"]
+        prefilling = [s for s in active if s.state == "prefill"]
+        decoding = [s for s in active if s.state == "decoding"]
+        if prefilling and decoding:
+            youngest = max(prefilling, key=lambda s: s.t_start)
+            self._fail_slot(
+                youngest, 503, "unavailable_error", "KV cache full: retry when sessions finish"
+            )
+            return True
+        # 3. Nothing left to shed but running sessions: end the youngest one cleanly.
+        victim_slot = max(active, key=lambda s: s.t_start) if active else None
+        if victim_slot is None:
+            return False
+        if victim_slot.state == "prefill":
+            self._fail_slot(
+                victim_slot,
+                400,
+                "exceed_context_size_error",
+                "the prompt does not fit in the free KV cache",
+            )
+        else:
+            log.warning("KV cache full: stopping slot %d early", victim_slot.slot_id)
+            self._finish(victim_slot, "limit", truncated=True)
+        return any(s.state != "idle" for s in self._slots)
+
+    def _shift_context(self, slot: Slot) -> None:
+        """Drop half of the slot's history after n_keep so generation can go on."""
+        task = slot.task
+        assert task is not None
+        n_past = len(slot.cache_tokens)
+        n_keep = min(task.n_keep, n_past - 1)
+        n_discard = (n_past - n_keep) // 2
+        rt = self._rt
+        rt.seq_rm(slot.slot_id, n_keep, n_keep + n_discard)
+        rt.seq_add(slot.slot_id, n_keep + n_discard, n_past, -n_discard)
+        del slot.cache_tokens[n_keep : n_keep + n_discard]
+        self._bump(context_shifts=1)
+        log.info("slot %d: context shift, discarded %d tokens", slot.slot_id, n_discard)
+
+    def _after_decode(self, now: float) -> None:
+        n_decoded = 0
+        n_prefilled = 0
+        for slot in self._slots:
+            if slot.batch_tokens == 0:
+                continue
+            if slot.state == "prefill":
+                start = slot.n_prompt_done
+                slot.cache_tokens.extend(slot.prompt[start : start + slot.batch_tokens])
+                slot.n_prompt_done += slot.batch_tokens
+                n_prefilled += slot.batch_tokens
+                if slot.logits_idx < 0:
+                    continue
+                slot.t_first = now
+                slot.state = "decoding"
+                self._bump(
+                    prompt_tokens=len(slot.prompt) - slot.n_cached,
+                    prompt_seconds=now - slot.t_start,
+                    cache_tokens=slot.n_cached,
+                )
+            else:
+                assert slot.pending is not None
+                slot.cache_tokens.append(slot.pending)
+                slot.pending = None
+                n_decoded += 1
+            self._sample(slot, now)
+        if n_decoded:
+            self._decode_rate.add(n_decoded, now)
+        if n_prefilled:
+            self._prefill_rate.add(n_prefilled, now)
+
+    def _sample(self, slot: Slot, now: float) -> None:
+        task = slot.task
+        assert task is not None and slot.sampler is not None
+        if task.stop.n_predict == 0:
+            self._finish(slot, "limit")  # prompt processing only (e.g. to warm a cache)
+            return
+        tok = slot.sampler.sample(self._rt.ctx, slot.logits_idx)
+        slot.rate.on_token(now)
+        stop = task.stop
+        if self._rt.is_eog(tok) and not stop.ignore_eos:
+            slot.generated.append(tok)
+            self._finish(slot, "eos")
+            return
+        slot.generated.append(tok)
+        text = slot.assembler.push(self._rt.token_bytes(tok))
+        if text or not slot.assembler.stops:
+            task.sink.emit(TokenEvent(text, tok))
+        if slot.assembler.stopping_word is not None:
+            self._finish(slot, "word")
+            return
+        if 0 <= stop.n_predict <= len(slot.generated):
+            self._finish(slot, "limit")
+            return
+        slot.pending = tok
+        if len(slot.cache_tokens) >= slot.n_ctx:
+            # The pending token has no position left in this slot's context.
+            if self.cfg.context_shift:
+                self._shift_context(slot)
+            else:
+                self._finish(slot, "limit", truncated=True)
+
+    def _finish(self, slot: Slot, stop_type: StopType, truncated: bool = False) -> None:
+        task = slot.task
+        assert task is not None
+        now = time.perf_counter()
+        tail = slot.assembler.flush()
+        if tail:
+            task.sink.emit(TokenEvent(tail, -1))
+        t_first = slot.t_first or now
+        result = GenerationResult(
+            content=slot.assembler.text,
+            tokens=list(slot.generated),
+            stop_type=stop_type,
+            stopping_word=slot.assembler.stopping_word or "",
+            truncated=truncated,
+            slot=slot.slot_id,
+            session_id=slot.session_id,
+            seed=slot.seed,
+            prompt_n=len(slot.prompt) - slot.n_cached,
+            cache_n=slot.n_cached,
+            predicted_n=len(slot.generated),
+            prompt_ms=(t_first - slot.t_start) * 1e3,
+            predicted_ms=(now - t_first) * 1e3,
+            tps_ewma=slot.rate.tps,
+        )
+        self._bump(
+            requests_done=1,
+            predicted_tokens=len(slot.generated),
+            predicted_seconds=now - t_first,
+        )
+        task.sink.emit(DoneEvent(result))
+        self._release(slot)
+
+    def _fail(self, task: GenerateTask, status: int, type_: str, message: str) -> None:
+        self._bump(requests_failed=1)
+        task.sink.emit(ErrorEvent(status, type_, message))
+
+    def _fail_slot(self, slot: Slot, status: int, type_: str, message: str) -> None:
+        assert slot.task is not None
+        self._fail(slot.task, status, type_, message)
+        self._release(slot)
+
+    def _release(self, slot: Slot) -> None:
+        """Return a slot to idle. Its KV stays as a prompt cache for the next turn."""
+        # A sampled-but-undecoded token is not in KV, and a half-prefilled prompt is still a
+        # valid cached prefix: cache_tokens stays exactly what the KV holds.
+        slot.pending = None
+        if slot.sampler is not None:
+            slot.sampler.free()
+            slot.sampler = None
+        slot.task = None
+        slot.state = "idle"
+        slot.last_used = time.time()
+
+    # ------------------------------------------------------------------ publishing
+
+    def _bump(self, **deltas: float) -> None:
+        c = self._counters
+        self._counters = replace(c, **{k: getattr(c, k) + v for k, v in deltas.items()})
+
+    def _publish(self, ready: bool | None = None) -> None:
+        now = time.perf_counter()
+        slots = tuple(
+            SlotSnapshot(
+                slot_id=s.slot_id,
+                state=s.state,
+                task_id=s.task.task_id if s.task else None,
+                session_id=s.session_id,
+                n_ctx=s.n_ctx,
+                ctx_used=len(s.cache_tokens),
+                n_prompt=len(s.prompt) if s.task else 0,
+                n_decoded=len(s.generated) if s.task else 0,
+                n_remain=(
+                    max(s.task.stop.n_predict - len(s.generated), 0)
+                    if s.task and s.task.stop.n_predict >= 0
+                    else -1
+                ),
+                tps_ewma=s.rate.tps,
+                warming=s.rate.warming,
+                last_used=s.last_used,
+            )
+            for s in self._slots
+        )
+        rt = self.runtime
+        self.snapshot = EngineSnapshot(
+            ts=time.time(),
+            ready=self.snapshot.ready if ready is None else ready,
+            slots=slots,
+            n_waiting=len(self._waiting),
+            aggregate_tps=self._decode_rate.rate(now),
+            prefill_tps=self._prefill_rate.rate(now),
+            kv_cells_used=sum(len(s.cache_tokens) for s in self._slots),
+            kv_cells_total=rt.n_ctx if rt else 0,
+            counters=self._counters,
+        )
+
+    def _shutdown(self) -> None:
+        for task in self._waiting:
+            self._fail(task, 503, "unavailable_error", "server is shutting down")
+        self._waiting.clear()
+        for slot in self._slots:
+            if slot.task is not None:
+                self._fail_slot(slot, 503, "unavailable_error", "server is shutting down")
+        self._publish(ready=False)
+        if self.runtime is not None:
+            try:
+                self.runtime.close()
+            except LlamaError:
+                log.exception("error while freeing the llama context")
+        self._stopped.set()

@@ -1,0 +1,351 @@
+"""The only module that touches llama.cpp: model, context, batch, KV memory and samplers.
+
+Everything here is a thin, RAII-style wrapper over ``llama_cpp.llama_cpp`` (the ctypes layer;
+the high-level ``Llama`` class is never used). Rules this module enforces because llama.cpp
+would otherwise abort the whole process with a GGML_ASSERT:
+
+* a batch never holds more tokens than ``llama_n_batch(ctx)`` (the effective n_batch is
+  ``min(n_ctx, n_batch)``);
+* sequence ids are checked against ``n_seq_max`` before any memory call (with a unified
+  cache ``seq_cp``/``seq_rm`` accept out-of-range ids silently);
+* a non-zero ``llama_decode`` result is returned to the caller (1 = no KV slot, recoverable)
+  or raised (anything else).
+
+Only the engine thread calls the mutating methods. Tokenization reads the vocabulary only and
+is safe from any thread, as in llama-server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# Must be set before libllama (and its OpenMP runtime) is loaded: busy-waiting worker threads
+# starve the HTTP thread on small machines (measured in engine_feasibility.md §6).
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+import llama_cpp.llama_cpp as C  # noqa: E402
+
+from .sampling import SamplingParams  # noqa: E402
+
+log = logging.getLogger("polykv.llama")
+
+_LOG_LEVELS = {2: logging.WARNING, 3: logging.ERROR}
+
+
+@C.llama_log_callback  # type: ignore[untyped-decorator]
+def _route_llama_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    # llama.cpp is chatty at INFO; keep warnings and errors, drop the rest.
+    py_level = _LOG_LEVELS.get(level)
+    if py_level is not None and text:
+        log.log(py_level, "%s", text.decode("utf-8", "replace").rstrip())
+
+
+_backend_ready = False
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        C.llama_log_set(_route_llama_log, ctypes.c_void_p(0))
+        C.llama_backend_init()
+        _backend_ready = True
+
+
+class LlamaError(RuntimeError):
+    """llama.cpp refused an operation (bad model file, failed decode, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    model_path: Path
+    n_ctx: int = 4096
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    n_seq_max: int = 1
+    n_threads: int = 0  # 0: every core
+    n_threads_batch: int = 0
+    n_gpu_layers: int = 0
+    kv_unified: bool = True
+    flash_attn: str = "auto"  # on | off | auto (auto = on only when layers are offloaded)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    path: str
+    description: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_params: int
+    size_bytes: int
+    is_recurrent: bool
+    is_hybrid: bool
+    chat_template: str | None
+    bos: int
+    eos: int
+    add_bos: bool
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token occupies in an f16 K+V cache, all layers."""
+        head_dim = self.n_embd // self.n_head
+        return self.n_layer * 2 * head_dim * self.n_head_kv * 2
+
+
+class Batch:
+    """A reusable ``llama_batch`` with one sequence id per token."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._raw = C.llama_batch_init(capacity, 0, 1)
+        self.n = 0
+
+    def clear(self) -> None:
+        self.n = 0
+
+    def add(self, token: int, pos: int, seq_id: int, logits: bool) -> int:
+        """Append a token; returns its index (the ``idx`` for sampling when logits=True)."""
+        i = self.n
+        if i >= self.capacity:
+            raise LlamaError(f"batch overflow: capacity {self.capacity}")
+        raw = self._raw
+        raw.token[i] = token
+        raw.pos[i] = pos
+        raw.n_seq_id[i] = 1
+        raw.seq_id[i][0] = seq_id
+        raw.logits[i] = 1 if logits else 0
+        self.n = i + 1
+        return i
+
+    def add_span(self, tokens: Sequence[int], pos0: int, seq_id: int, logits_last: bool) -> int:
+        """Append consecutive tokens of one sequence; returns the last token's index."""
+        for k, tok in enumerate(tokens):
+            self.add(tok, pos0 + k, seq_id, logits_last and k == len(tokens) - 1)
+        return self.n - 1
+
+    def free(self) -> None:
+        if self._raw is not None:
+            C.llama_batch_free(self._raw)
+            self._raw = None
+
+
+class Sampler:
+    """A llama.cpp sampler chain for one request; free it when the request ends."""
+
+    def __init__(self, params: SamplingParams, n_vocab: int) -> None:
+        cparams = C.llama_sampler_chain_default_params()
+        chain = C.llama_sampler_chain_init(cparams)
+        if not chain:
+            raise LlamaError("llama_sampler_chain_init failed")
+        self._chain: ctypes.c_void_p | None = chain
+        add = C.llama_sampler_chain_add
+        if params.has_penalties:
+            add(
+                chain,
+                C.llama_sampler_init_penalties(
+                    n_vocab,
+                    params.repeat_last_n,
+                    params.repeat_penalty,
+                    params.frequency_penalty,
+                    params.presence_penalty,
+                ),
+            )
+        if params.greedy:
+            add(chain, C.llama_sampler_init_greedy())
+        else:
+            add(chain, C.llama_sampler_init_top_k(params.top_k))
+            add(chain, C.llama_sampler_init_top_p(params.top_p, 1))
+            add(chain, C.llama_sampler_init_min_p(params.min_p, 1))
+            add(chain, C.llama_sampler_init_temp(params.temperature))
+            add(chain, C.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
+
+    def accept(self, token: int) -> None:
+        """Feed a prompt token to stateful samplers (repetition penalties)."""
+        C.llama_sampler_accept(self._chain, token)
+
+    def sample(self, ctx: ctypes.c_void_p, idx: int) -> int:
+        return int(C.llama_sampler_sample(self._chain, ctx, idx))
+
+    def free(self) -> None:
+        if self._chain is not None:
+            C.llama_sampler_free(self._chain)
+            self._chain = None
+
+
+class LlamaRuntime:
+    """A loaded model with one context; owns their lifetimes (``close`` frees both)."""
+
+    def __init__(self, cfg: RuntimeConfig) -> None:
+        _init_backend()
+        self.cfg = cfg
+        self._stack = contextlib.ExitStack()
+        path = Path(cfg.model_path)
+        if not path.is_file():
+            raise LlamaError(f"model file not found: {path}")
+        mparams = C.llama_model_default_params()
+        mparams.n_gpu_layers = cfg.n_gpu_layers
+        model = C.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            raise LlamaError(f"failed to load model from {path} (see the log above)")
+        self._model = model
+        self._stack.callback(C.llama_model_free, model)
+        self._vocab = C.llama_model_get_vocab(model)
+        self.info = self._read_info(path)
+        if cfg.n_seq_max > C.llama_max_parallel_sequences():
+            self.close()
+            raise LlamaError(
+                f"{cfg.n_seq_max} sequences requested; llama.cpp supports at most "
+                f"{C.llama_max_parallel_sequences()} (lower --parallel or --polykv-max-pools)"
+            )
+
+        cparams = C.llama_context_default_params()
+        cparams.n_ctx = cfg.n_ctx
+        cparams.n_batch = cfg.n_batch
+        cparams.n_ubatch = min(cfg.n_ubatch, cfg.n_batch)
+        cparams.n_seq_max = cfg.n_seq_max
+        threads = cfg.n_threads or (os.cpu_count() or 1)
+        cparams.n_threads = threads
+        cparams.n_threads_batch = cfg.n_threads_batch or threads
+        cparams.kv_unified = cfg.kv_unified
+        cparams.flash_attn_type = self._flash_attn_type(cfg)
+        ctx = C.llama_init_from_model(model, cparams)
+        if not ctx:
+            self.close()
+            raise LlamaError("failed to create the llama context (see the log above)")
+        self.ctx = ctx
+        self._stack.callback(C.llama_free, ctx)
+        self._mem = C.llama_get_memory(ctx)
+        self.n_ctx = int(C.llama_n_ctx(ctx))
+        self.n_batch = int(C.llama_n_batch(ctx))
+        self.n_seq_max = int(C.llama_n_seq_max(ctx))
+        self.n_ctx_seq = int(C.llama_n_ctx_seq(ctx))
+
+    @staticmethod
+    def _flash_attn_type(cfg: RuntimeConfig) -> int:
+        # On CPU, flash attention is several times slower for small query batches (decode),
+        # so "auto" enables it only when layers run on an accelerator.
+        if cfg.flash_attn == "on":
+            return int(C.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+        if cfg.flash_attn == "off" or cfg.n_gpu_layers == 0:
+            return int(C.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        return int(C.LLAMA_FLASH_ATTN_TYPE_AUTO)
+
+    def _read_info(self, path: Path) -> ModelInfo:
+        m = self._model
+        buf = ctypes.create_string_buffer(256)
+        C.llama_model_desc(m, buf, ctypes.sizeof(buf))
+        tmpl = C.llama_model_chat_template(m, None)
+        return ModelInfo(
+            path=str(path),
+            description=buf.value.decode("utf-8", "replace"),
+            n_vocab=int(C.llama_vocab_n_tokens(self._vocab)),
+            n_ctx_train=int(C.llama_model_n_ctx_train(m)),
+            n_embd=int(C.llama_model_n_embd(m)),
+            n_layer=int(C.llama_model_n_layer(m)),
+            n_head=int(C.llama_model_n_head(m)),
+            n_head_kv=int(C.llama_model_n_head_kv(m)),
+            n_params=int(C.llama_model_n_params(m)),
+            size_bytes=int(C.llama_model_size(m)),
+            is_recurrent=bool(C.llama_model_is_recurrent(m)),
+            is_hybrid=bool(C.llama_model_is_hybrid(m)),
+            chat_template=tmpl.decode("utf-8", "replace") if tmpl else None,
+            bos=int(C.llama_vocab_bos(self._vocab)),
+            eos=int(C.llama_vocab_eos(self._vocab)),
+            add_bos=bool(C.llama_vocab_get_add_bos(self._vocab)),
+        )
+
+    # ------------------------------------------------------------------ vocabulary (any thread)
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (C.llama_token * cap)()
+        n = C.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:  # buffer too small: -n is the size needed
+            cap = -n
+            buf = (C.llama_token * cap)()
+            n = C.llama_tokenize(
+                self._vocab, data, len(data), buf, cap, add_special, parse_special
+            )
+        if n < 0:
+            raise LlamaError("tokenization failed")
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        """The raw bytes of one token (may be a fragment of a UTF-8 character)."""
+        buf = ctypes.create_string_buffer(64)
+        n = C.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = C.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
+        return b"".join(self.token_bytes(t, special) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(C.llama_vocab_is_eog(self._vocab, token))
+
+    def valid_token(self, token: int) -> bool:
+        return 0 <= token < self.info.n_vocab
+
+    # ------------------------------------------------------------------ engine thread only
+
+    def new_batch(self) -> Batch:
+        batch = Batch(self.n_batch)
+        self._stack.callback(batch.free)
+        return batch
+
+    def new_sampler(self, params: SamplingParams) -> Sampler:
+        return Sampler(params, self.info.n_vocab)
+
+    def decode(self, batch: Batch) -> int:
+        """Run one batch. Returns 0, or 1 when no KV slot was found (state restored)."""
+        if batch.n == 0:
+            return 0
+        raw = batch._raw
+        raw.n_tokens = batch.n
+        rc = int(C.llama_decode(self.ctx, raw))
+        if rc not in (0, 1):
+            raise LlamaError(f"llama_decode returned {rc}")
+        return rc
+
+    def _check_seq(self, *seqs: int) -> None:
+        for s in seqs:
+            if not 0 <= s < self.n_seq_max:
+                raise LlamaError(f"sequence id {s} outside [0, {self.n_seq_max})")
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        self._check_seq(seq)
+        if not C.llama_memory_seq_rm(self._mem, seq, p0, p1):
+            raise LlamaError(f"seq_rm({seq}, {p0}, {p1}) failed")
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        self._check_seq(src, dst)
+        if not self.cfg.kv_unified and p1 >= 0:
+            # llama.cpp aborts on a partial copy between streams of a split cache.
+            raise LlamaError("partial seq_cp needs a unified KV cache")
+        C.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        self._check_seq(seq)
+        C.llama_memory_seq_add(self._mem, seq, p0, p1, delta)
+
+    def seq_pos_max(self, seq: int) -> int:
+        self._check_seq(seq)
+        return int(C.llama_memory_seq_pos_max(self._mem, seq))
+
+    def clear_memory(self) -> None:
+        C.llama_memory_clear(self._mem, True)
+
+    def close(self) -> None:
+        self._stack.close()

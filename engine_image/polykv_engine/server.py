@@ -1,0 +1,133 @@
+"""The aiohttp application: middlewares (errors, auth, metrics), routes, and lifecycle.
+
+Graceful shutdown on SIGTERM/SIGINT: /health turns 503 at once (readiness fails, the
+Service stops routing here), new requests get 503 + Retry-After, in-flight requests get up
+to ``shutdown_timeout_s`` to finish, then the engine thread frees the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from . import routes_inference, routes_info
+from .context import APP_KEY, AppContext, ServerSettings
+from .engine import Engine
+from .http_errors import ApiError
+from .metrics import build_registry
+
+log = logging.getLogger("polykv.http")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# Open without a key, as in llama-server: probes and scrapers carry no secrets.
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
+HTTP_COUNTER = web.AppKey("http_counter", object)
+
+
+def _presented_key(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return request.headers.get("X-Api-Key")
+
+
+def key_matches(presented: str | None, keys: tuple[str, ...]) -> bool:
+    if presented is None:
+        return False
+    return any(hmac.compare_digest(presented.encode(), k.encode()) for k in keys)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPRequestEntityTooLarge as exc:
+        return ApiError(413, f"request body too large: {exc.text}").response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = exc.reason if exc.status != 404 else f"no route for {request.method} {request.path}"
+        return ApiError(exc.status, message, headers={"Allow": exc.headers.get("Allow", "")} if exc.status == 405 else None).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return ApiError(500, "internal server error (logged)", "server_error").response()
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    settings = request.app[APP_KEY].settings
+    if settings.api_keys and request.path not in PUBLIC_PATHS:
+        if not key_matches(_presented_key(request), settings.api_keys + settings.admin_keys):
+            raise ApiError(401, "Invalid API Key", "authentication_error")
+    return await handler(request)
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    resp = await handler(request)
+    route = request.match_info.route.resource
+    template = route.canonical if route is not None else "unmatched"
+    counter = request.app[HTTP_COUNTER]
+    counter.labels(template, str(resp.status)).inc()  # type: ignore[attr-defined]
+    return resp
+
+
+def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
+    app = web.Application(
+        middlewares=[metrics_middleware, error_middleware, auth_middleware],
+        client_max_size=settings.max_body_bytes,
+    )
+    ctx = AppContext(engine=engine, settings=settings)
+    app[APP_KEY] = ctx
+    registry, http_counter = build_registry(lambda: engine.snapshot)
+    app[routes_info.METRICS_REGISTRY] = registry
+    app[HTTP_COUNTER] = http_counter
+    routes_info.add_routes(app)
+    routes_inference.add_routes(app)
+    return app
+
+
+async def serve(engine: Engine, settings: ServerSettings, ready: asyncio.Event | None = None) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    app = create_app(engine, settings)
+    ctx = app[APP_KEY]
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    log.info("listening on http://%s:%d", settings.host, settings.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine.start()
+    await asyncio.to_thread(engine.wait_ready)
+    if engine.load_error is not None:
+        await runner.cleanup()
+        return 1
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("shutting down: draining for up to %.0fs", settings.shutdown_timeout_s)
+    ctx.draining = True
+    deadline = time.monotonic() + settings.shutdown_timeout_s
+    while time.monotonic() < deadline:
+        snap = engine.snapshot
+        if snap.n_processing == 0 and snap.n_waiting == 0:
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.to_thread(engine.stop)
+    await runner.cleanup()
+    log.info("stopped")
+    return 0

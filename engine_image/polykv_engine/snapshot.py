@@ -1,0 +1,76 @@
+"""Immutable views of engine state, published by the engine thread after every step.
+
+HTTP handlers and the metrics collector read the latest ``EngineSnapshot`` (one reference
+assignment, so no lock and no round trip to the engine thread) and never see half an update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+SlotState = Literal["idle", "prefill", "decoding"]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSnapshot:
+    slot_id: int
+    state: SlotState
+    task_id: int | None
+    session_id: str | None
+    n_ctx: int
+    ctx_used: int
+    n_prompt: int
+    n_decoded: int
+    n_remain: int
+    tps_ewma: float
+    warming: bool
+    last_used: float
+
+    @property
+    def processing(self) -> bool:
+        return self.state != "idle"
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """Monotonic totals since boot (Prometheus counters read these)."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    cache_tokens: int = 0
+    predicted_tokens: int = 0
+    predicted_seconds: float = 0.0
+    requests_done: int = 0
+    requests_cancelled: int = 0
+    requests_failed: int = 0
+    decode_calls: int = 0
+    decode_seconds: float = 0.0
+    step_seconds: float = 0.0
+    kv_full_events: int = 0
+    context_shifts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    ts: float
+    ready: bool
+    slots: tuple[SlotSnapshot, ...] = ()
+    n_waiting: int = 0
+    aggregate_tps: float = 0.0
+    prefill_tps: float = 0.0
+    kv_cells_used: int = 0
+    kv_cells_total: int = 0
+    counters: Counters = field(default_factory=Counters)
+
+    @property
+    def n_processing(self) -> int:
+        return sum(1 for s in self.slots if s.processing)
+
+    @property
+    def decoding_rates(self) -> list[float]:
+        return [s.tps_ewma for s in self.slots if s.state == "decoding"]
+
+    @property
+    def n_warming(self) -> int:
+        return sum(1 for s in self.slots if s.processing and s.warming)
