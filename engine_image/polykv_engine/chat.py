@@ -43,8 +43,8 @@ class ChatRenderer:
             self._template = env.from_string(self.source)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from exc
-        self._bos = bos_token
-        self._eos = eos_token
+        self.bos_token = bos_token
+        self.eos_token = eos_token
 
     def render(
         self,
@@ -58,8 +58,8 @@ class ChatRenderer:
             messages=messages,
             tools=tools or None,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self._bos,
-            eos_token=self._eos,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
         )
         try:
             return self._template.render(**variables)

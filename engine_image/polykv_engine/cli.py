@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .context import ServerSettings
 from .engine import Engine, EngineConfig
-from .runtime import RuntimeConfig
-from .server import ServerSettings, serve
+from .runtime import CACHE_TYPES, RuntimeConfig
+from .server import serve
 
 
 class JsonFormatter(logging.Formatter):
@@ -48,40 +49,102 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-m", "--model", type=Path, default=_env("MODEL", None), help="GGUF model path")
     p.add_argument("-a", "--alias", default=_env("ALIAS", None), help="model name in responses")
-    p.add_argument("-c", "--ctx-size", type=int, default=int(_env("CTX_SIZE", 4096)),
-                   help="KV cache size in tokens (0 = the model's training context)")
-    p.add_argument("-np", "--parallel", type=int, default=int(_env("N_PARALLEL", 1)),
-                   help="decoding slots (concurrent sessions)")
+    p.add_argument(
+        "-c",
+        "--ctx-size",
+        type=int,
+        default=int(_env("CTX_SIZE", 4096)),
+        help="KV cache size in tokens (0 = the model's training context)",
+    )
+    p.add_argument(
+        "-np",
+        "--parallel",
+        type=int,
+        default=int(_env("N_PARALLEL", 1)),
+        help="decoding slots (concurrent sessions)",
+    )
     unified = p.add_mutually_exclusive_group()
-    unified.add_argument("-kvu", "--kv-unified", dest="kv_unified", action="store_true", default=True,
-                         help="one KV buffer shared by all sequences (default; pools need it)")
+    unified.add_argument(
+        "-kvu",
+        "--kv-unified",
+        dest="kv_unified",
+        action="store_true",
+        default=True,
+        help="one KV buffer shared by all sequences (default; pools need it)",
+    )
     unified.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_false")
     p.add_argument("-b", "--batch-size", type=int, default=int(_env("BATCH", 2048)))
     p.add_argument("-ub", "--ubatch-size", type=int, default=int(_env("UBATCH", 512)))
-    p.add_argument("-t", "--threads", type=int, default=int(_env("THREADS", 0)),
-                   help="CPU threads for decoding (0 = all cores)")
+    p.add_argument(
+        "-t",
+        "--threads",
+        type=int,
+        default=int(_env("THREADS", 0)),
+        help="CPU threads for decoding (0 = all cores)",
+    )
     p.add_argument("-tb", "--threads-batch", type=int, default=int(_env("THREADS_BATCH", 0)))
-    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int,
-                   default=int(_env("N_GPU_LAYERS", 0)))
-    p.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default=_env("FLASH_ATTN", "auto"),
-                   help="auto: on only when layers are offloaded (CPU decode is faster without)")
+    p.add_argument(
+        "-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=int(_env("N_GPU_LAYERS", 0))
+    )
+    p.add_argument(
+        "-fa",
+        "--flash-attn",
+        choices=["on", "off", "auto"],
+        default=_env("FLASH_ATTN", "auto"),
+        help="auto: on only when layers are offloaded (CPU decode is faster without)",
+    )
+    p.add_argument(
+        "-ctk",
+        "--cache-type-k",
+        choices=sorted(CACHE_TYPES),
+        default="f16",
+        help="KV cache type for K (f32 makes batched and solo logits agree to ~1e-6)",
+    )
+    p.add_argument("-ctv", "--cache-type-v", choices=sorted(CACHE_TYPES), default="f16")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("PORT", 8080)))
-    p.add_argument("--api-key", action="append", default=[],
-                   help="key for every route but /health and /metrics (repeatable)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="key for every route but /health and /metrics (repeatable)",
+    )
     p.add_argument("--api-key-file", type=Path, help="file with one API key per line")
-    p.add_argument("--metrics", action="store_true", default=bool(_env("ENDPOINT_METRICS", "")),
-                   help="enable the Prometheus /metrics endpoint")
-    p.add_argument("--context-shift", action="store_true",
-                   help="when a session fills its context, discard old tokens and go on")
-    p.add_argument("--polykv-max-pools", type=int, default=16,
-                   help="sequence ids reserved for pools above the slots")
-    p.add_argument("--polykv-admin-key", action="append", default=[],
-                   help="key for mutating /polykv routes (default: the API key)")
-    p.add_argument("--polykv-tps-interval-ms", type=int, default=500,
-                   help="cadence of the /polykv/tps SSE stream")
-    p.add_argument("--shutdown-timeout", type=float, default=20.0,
-                   help="seconds in-flight requests get to finish on SIGTERM")
+    p.add_argument(
+        "--metrics",
+        action="store_true",
+        default=bool(_env("ENDPOINT_METRICS", "")),
+        help="enable the Prometheus /metrics endpoint",
+    )
+    p.add_argument(
+        "--context-shift",
+        action="store_true",
+        help="when a session fills its context, discard old tokens and go on",
+    )
+    p.add_argument(
+        "--polykv-max-pools",
+        type=int,
+        default=16,
+        help="sequence ids reserved for pools above the slots",
+    )
+    p.add_argument(
+        "--polykv-admin-key",
+        action="append",
+        default=[],
+        help="key for mutating /polykv routes (default: the API key)",
+    )
+    p.add_argument(
+        "--polykv-tps-interval-ms",
+        type=int,
+        default=500,
+        help="cadence of the /polykv/tps SSE stream",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=20.0,
+        help="seconds in-flight requests get to finish on SIGTERM",
+    )
     p.add_argument("--log-format", choices=["text", "json"], default="text")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -100,7 +163,9 @@ def _keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[st
     return tuple(keys)
 
 
-def config_from_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerSettings, argparse.Namespace]:
+def config_from_args(
+    argv: list[str] | None = None,
+) -> tuple[EngineConfig, ServerSettings, argparse.Namespace]:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.model is None:
@@ -136,6 +201,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[EngineConfig, Serve
         n_gpu_layers=args.n_gpu_layers,
         kv_unified=args.kv_unified,
         flash_attn=args.flash_attn,
+        cache_type_k=args.cache_type_k,
+        cache_type_v=args.cache_type_v,
     )
     engine_cfg = EngineConfig(
         runtime=runtime,

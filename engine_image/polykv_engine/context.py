@@ -43,6 +43,10 @@ class AppContext:
             raise ApiError(503, "Loading model", "unavailable_error", {"Retry-After": "1"})
         return self.engine.runtime
 
+    def require_ready(self) -> None:
+        """503 (with Retry-After) until the model is loaded."""
+        _ = self.rt
+
     @property
     def model_name(self) -> str:
         if self.settings.model_alias:
@@ -74,8 +78,9 @@ class AppContext:
                 if isinstance(part, int):
                     if not rt.valid_token(part):
                         raise ApiError(
-                            400, f"prompt[{i}]: token id {part} is outside the vocabulary "
-                            f"(n_vocab={rt.info.n_vocab})"
+                            400,
+                            f"prompt[{i}]: token id {part} is outside the vocabulary "
+                            f"(n_vocab={rt.info.n_vocab})",
                         )
                     tokens.append(part)
                 else:
@@ -92,7 +97,7 @@ class AppContext:
             text = self.renderer.render(messages, req.tools, True, req.chat_template_kwargs)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc)) from exc
-        bos = self.renderer._bos
+        bos = self.renderer.bos_token
         if self.rt.info.add_bos and bos and text.startswith(bos):
             text = text[len(bos) :]  # tokenization adds BOS itself; never twice
         return text

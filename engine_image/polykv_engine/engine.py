@@ -240,7 +240,9 @@ class Engine:
             task = self._waiting.popleft()
             session_slot = self._session_slot.get(task.session_id) if task.session_id else None
             if task.id_slot >= len(self._slots):
-                self._fail(task, 400, "invalid_request_error", f"id_slot {task.id_slot} does not exist")
+                self._fail(
+                    task, 400, "invalid_request_error", f"id_slot {task.id_slot} does not exist"
+                )
                 continue
             chosen = choose_slot(views, task.prompt, session_slot, task.id_slot, task.cache_prompt)
             if chosen is None:
@@ -267,7 +269,11 @@ class Engine:
         sampling = task.sampling.resolved()
         slot.sampler = rt.new_sampler(sampling)
         if sampling.has_penalties:
-            for tok in task.prompt[-sampling.repeat_last_n :] if sampling.repeat_last_n > 0 else task.prompt:
+            for tok in (
+                task.prompt[-sampling.repeat_last_n :]
+                if sampling.repeat_last_n > 0
+                else task.prompt
+            ):
                 slot.sampler.accept(tok)
         slot.seed = sampling.seed
         slot.task = task
@@ -329,7 +335,9 @@ class Engine:
             slot.batch_tokens = 0
         for slot in self._slots:
             if slot.state == "decoding" and slot.pending is not None and budget > 0:
-                slot.logits_idx = batch.add(slot.pending, len(slot.cache_tokens), slot.slot_id, True)
+                slot.logits_idx = batch.add(
+                    slot.pending, len(slot.cache_tokens), slot.slot_id, True
+                )
                 slot.batch_tokens = 1
                 budget -= 1
         # Prompts in arrival order, so an early long prompt is not starved by later short ones.

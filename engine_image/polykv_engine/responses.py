@@ -134,11 +134,15 @@ class ResponseBuilder:
             return None
         self.n_chunks += 1
         if self.route == "oai_completion":
-            return self._oai_chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+            return self._oai_chunk(
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+            )
         delta: dict[str, Any] = {"content": text}
         if self.n_chunks == 1:
             delta["role"] = "assistant"
-        return self._oai_chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
+        return self._oai_chunk(
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        )
 
     def stream_final(self, r: GenerationResult) -> list[dict[str, Any]]:
         """The closing chunk(s): finish reason, timings, and usage when asked for."""
@@ -153,7 +157,12 @@ class ResponseBuilder:
             }
         else:
             delta: dict[str, Any] = {} if self.n_chunks else {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason(r)}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish_reason(r),
+            }
         last = self._oai_chunk(choice)
         last["timings"] = timings(r).model_dump()
         last["polykv"] = _polykv(r)

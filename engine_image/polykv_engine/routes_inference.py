@@ -174,7 +174,9 @@ async def _stream(
                 await resp.write(_sse(final))
             break
         else:
-            await resp.write(_sse({"error": {"code": ev.status, "message": ev.message, "type": ev.type}}))
+            await resp.write(
+                _sse({"error": {"code": ev.status, "message": ev.message, "type": ev.type}})
+            )
             break
         ev = await sink.queue.get()
     if builder.route != "completion":
@@ -249,7 +251,9 @@ async def detokenize(request: web.Request) -> web.Response:
     rt = ctx.rt
     bad = [t for t in req.tokens if not rt.valid_token(t)]
     if bad:
-        raise ApiError(400, f"tokens: ids outside the vocabulary (n_vocab={rt.info.n_vocab}): {bad[:8]}")
+        raise ApiError(
+            400, f"tokens: ids outside the vocabulary (n_vocab={rt.info.n_vocab}): {bad[:8]}"
+        )
     return web.json_response({"content": rt.detokenize(req.tokens, special=True)})
 
 

@@ -44,7 +44,7 @@ def polykv_props(ctx: AppContext) -> PolykvProps:
         kv_unified=cfg.runtime.kv_unified,
         n_ctx=rt.n_ctx,
         n_ctx_slot=slots[0].n_ctx if slots else 0,
-        kv_bytes_per_token=rt.info.kv_bytes_per_token,
+        kv_bytes_per_token=rt.kv_bytes_per_token,
         tps_window_tokens=cfg.tps_window_tokens,
         tps_window_seconds=cfg.tps_window_s,
         tps_stream_interval_ms=ctx.settings.tps_stream_interval_ms,
@@ -60,7 +60,13 @@ async def props(request: web.Request) -> web.Response:
     body: dict[str, Any] = {
         "default_generation_settings": {
             "n_ctx": n_ctx_slot,
-            "params": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "n_predict": -1},
+            "params": {
+                "temperature": 0.8,
+                "top_k": 40,
+                "top_p": 0.95,
+                "min_p": 0.05,
+                "n_predict": -1,
+            },
         },
         "total_slots": ctx.engine.cfg.n_parallel,
         "model_alias": ctx.model_name,
@@ -77,7 +83,7 @@ async def props(request: web.Request) -> web.Response:
 
 async def slots(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
-    ctx.rt  # 503 while loading
+    ctx.require_ready()
     out = []
     for s in ctx.engine.snapshot.slots:
         out.append(
@@ -157,7 +163,7 @@ def tps_snapshot(snap: EngineSnapshot) -> TpsSnapshot:
 async def polykv_tps(request: web.Request) -> web.StreamResponse:
     """One JSON snapshot, or an SSE stream when the client accepts text/event-stream."""
     ctx = ctx_of(request)
-    ctx.rt
+    ctx.require_ready()
     if "text/event-stream" not in request.headers.get("Accept", ""):
         return web.json_response(tps_snapshot(ctx.engine.snapshot).model_dump())
     interval_ms = ctx.settings.tps_stream_interval_ms

@@ -29,21 +29,26 @@ from pathlib import Path
 # starve the HTTP thread on small machines (measured in engine_feasibility.md §6).
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
-import llama_cpp.llama_cpp as C  # noqa: E402
+import llama_cpp.llama_cpp as C
 
-from .sampling import SamplingParams  # noqa: E402
+from .sampling import SamplingParams
 
 log = logging.getLogger("polykv.llama")
 
-_LOG_LEVELS = {2: logging.WARNING, 3: logging.ERROR}
+# ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line.
+_LOG_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+_last_level = logging.DEBUG
 
 
 @C.llama_log_callback  # type: ignore[untyped-decorator]
 def _route_llama_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-    # llama.cpp is chatty at INFO; keep warnings and errors, drop the rest.
-    py_level = _LOG_LEVELS.get(level)
-    if py_level is not None and text:
-        log.log(py_level, "%s", text.decode("utf-8", "replace").rstrip())
+    # llama.cpp is chatty at INFO (every model key at load): that goes to DEBUG.
+    global _last_level
+    py_level = _last_level if level == 5 else _LOG_LEVELS.get(level, logging.DEBUG)
+    _last_level = py_level
+    message = text.decode("utf-8", "replace").rstrip()
+    if message and log.isEnabledFor(py_level):
+        log.log(py_level, "%s", message)
 
 
 _backend_ready = False
@@ -73,6 +78,16 @@ class RuntimeConfig:
     n_gpu_layers: int = 0
     kv_unified: bool = True
     flash_attn: str = "auto"  # on | off | auto (auto = on only when layers are offloaded)
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+
+
+# KV cache element types: ggml type id and bytes per element (q8_0: 34-byte blocks of 32).
+CACHE_TYPES: dict[str, tuple[int, float]] = {
+    "f32": (int(C.GGML_TYPE_F32), 4.0),
+    "f16": (int(C.GGML_TYPE_F16), 2.0),
+    "q8_0": (int(C.GGML_TYPE_Q8_0), 34 / 32),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,11 +109,12 @@ class ModelInfo:
     eos: int
     add_bos: bool
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes one token occupies in an f16 K+V cache, all layers."""
-        head_dim = self.n_embd // self.n_head
-        return self.n_layer * 2 * head_dim * self.n_head_kv * 2
+    def kv_bytes_per_token(self, cache_type_k: str = "f16", cache_type_v: str = "f16") -> int:
+        """Bytes one token occupies in the K and V caches, all layers."""
+        per_layer = (self.n_embd // self.n_head) * self.n_head_kv
+        k = CACHE_TYPES[cache_type_k][1]
+        v = CACHE_TYPES[cache_type_v][1]
+        return round(self.n_layer * per_layer * (k + v))
 
 
 class Batch:
@@ -217,6 +233,8 @@ class LlamaRuntime:
         cparams.n_threads_batch = cfg.n_threads_batch or threads
         cparams.kv_unified = cfg.kv_unified
         cparams.flash_attn_type = self._flash_attn_type(cfg)
+        cparams.type_k = CACHE_TYPES[cfg.cache_type_k][0]
+        cparams.type_v = CACHE_TYPES[cfg.cache_type_v][0]
         ctx = C.llama_init_from_model(model, cparams)
         if not ctx:
             self.close()
@@ -228,6 +246,7 @@ class LlamaRuntime:
         self.n_batch = int(C.llama_n_batch(ctx))
         self.n_seq_max = int(C.llama_n_seq_max(ctx))
         self.n_ctx_seq = int(C.llama_n_ctx_seq(ctx))
+        self.kv_bytes_per_token = self.info.kv_bytes_per_token(cfg.cache_type_k, cfg.cache_type_v)
 
     @staticmethod
     def _flash_attn_type(cfg: RuntimeConfig) -> int:
@@ -273,9 +292,7 @@ class LlamaRuntime:
         if n < 0:  # buffer too small: -n is the size needed
             cap = -n
             buf = (C.llama_token * cap)()
-            n = C.llama_tokenize(
-                self._vocab, data, len(data), buf, cap, add_special, parse_special
-            )
+            n = C.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
         if n < 0:
             raise LlamaError("tokenization failed")
         return list(buf[:n])

@@ -55,8 +55,14 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        message = exc.reason if exc.status != 404 else f"no route for {request.method} {request.path}"
-        return ApiError(exc.status, message, headers={"Allow": exc.headers.get("Allow", "")} if exc.status == 405 else None).response()
+        message = (
+            exc.reason if exc.status != 404 else f"no route for {request.method} {request.path}"
+        )
+        return ApiError(
+            exc.status,
+            message,
+            headers={"Allow": exc.headers.get("Allow", "")} if exc.status == 405 else None,
+        ).response()
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
@@ -67,9 +73,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     settings = request.app[APP_KEY].settings
-    if settings.api_keys and request.path not in PUBLIC_PATHS:
-        if not key_matches(_presented_key(request), settings.api_keys + settings.admin_keys):
-            raise ApiError(401, "Invalid API Key", "authentication_error")
+    needs_key = bool(settings.api_keys) and request.path not in PUBLIC_PATHS
+    if needs_key and not key_matches(
+        _presented_key(request), settings.api_keys + settings.admin_keys
+    ):
+        raise ApiError(401, "Invalid API Key", "authentication_error")
     return await handler(request)
 
 
@@ -98,7 +106,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
     return app
 
 
-async def serve(engine: Engine, settings: ServerSettings, ready: asyncio.Event | None = None) -> int:
+async def serve(
+    engine: Engine, settings: ServerSettings, ready: asyncio.Event | None = None
+) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
     app = create_app(engine, settings)
     ctx = app[APP_KEY]

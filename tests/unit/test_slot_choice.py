@@ -1,0 +1,45 @@
+from polykv_engine.slot_choice import SlotView, choose_slot, common_prefix_len
+
+
+def slot(
+    i: int,
+    idle: bool = True,
+    session: str | None = None,
+    cache: list[int] | None = None,
+    used: float = 0.0,
+) -> SlotView:
+    return SlotView(i, idle, session, cache or [], used)
+
+
+def test_common_prefix_len() -> None:
+    assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix_len([], [1]) == 0
+    assert common_prefix_len([1, 2], [1, 2]) == 2
+
+
+def test_session_returns_to_its_slot_or_waits() -> None:
+    slots = [slot(0), slot(1, idle=False, session="a")]
+    assert choose_slot(slots, [1], session_slot=1, id_slot=-1, cache_prompt=True) is None
+    slots[1] = slot(1, session="a")
+    assert choose_slot(slots, [1], session_slot=1, id_slot=-1, cache_prompt=True) == 1
+
+
+def test_explicit_slot_waits_for_that_slot() -> None:
+    slots = [slot(0), slot(1, idle=False)]
+    assert choose_slot(slots, [1], None, id_slot=1, cache_prompt=True) is None
+    assert choose_slot(slots, [1], None, id_slot=0, cache_prompt=True) == 0
+
+
+def test_longest_cached_prefix_wins() -> None:
+    slots = [slot(0, cache=[1, 2]), slot(1, cache=[1, 2, 3, 4]), slot(2)]
+    assert choose_slot(slots, [1, 2, 3, 9], None, -1, cache_prompt=True) == 1
+
+
+def test_without_cache_reuse_prefer_unowned_then_least_recent() -> None:
+    slots = [slot(0, session="s", used=1.0), slot(1, used=5.0), slot(2, used=2.0)]
+    assert choose_slot(slots, [1], None, -1, cache_prompt=False) == 2
+
+
+def test_none_when_every_slot_is_busy() -> None:
+    slots = [slot(0, idle=False), slot(1, idle=False)]
+    assert choose_slot(slots, [1], None, -1, cache_prompt=True) is None
