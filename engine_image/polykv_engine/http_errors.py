@@ -43,7 +43,9 @@ class ApiError(Exception):
         self.extra = dict(extra or {})
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"code": self.status, "message": self.message, "type": self.type, **self.extra}}
+        return {
+            "error": {"code": self.status, "message": self.message, "type": self.type, **self.extra}
+        }
 
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status, headers=self.headers)
