@@ -50,6 +50,14 @@ class SamplingFields(_Request):
     )
     id_slot: int = Field(-1, ge=-1)
     overcommit: bool = False
+    pool_id: int | str | None = Field(None, description="attach to this pool (id or name)")
+    shared_pool_slot: int | None = Field(None, ge=0, description="legacy alias of pool_id")
+    shared_prefix_n_tokens: int | None = Field(
+        None, ge=1, description="explicit shared prefix length P; default: computed (auto-P)"
+    )
+
+    def pool_ref(self) -> int | str | None:
+        return self.pool_id if self.pool_id is not None else self.shared_pool_slot
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -241,3 +249,120 @@ class PolykvProps(BaseModel):
     tps_window_seconds: float
     tps_stream_interval_ms: int
     context_shift: bool
+
+
+# --------------------------------------------------------------------------- pools
+
+PoolRef = int | str
+"""A pool id (per engine replica) or the pool's name (the same on every replica)."""
+
+
+class PoolPrefix(_Request):
+    """Exactly one way to give a pool's prefix."""
+
+    tokens: list[TokenId] | None = Field(None, min_length=1)
+    prompt: str | None = Field(None, min_length=1, description="text, tokenized like /completion")
+    messages: list[ChatMessage] | None = Field(
+        None,
+        min_length=1,
+        description="rendered with the model's chat template, without a generation prompt: "
+        "the system block a later /v1/chat/completions attach shares",
+    )
+    tools: list[dict[str, Any]] | None = None
+    from_session: str | None = Field(
+        None, min_length=1, description="snapshot a live session's context (no recompute)"
+    )
+    name: str | None = Field(None, min_length=1, max_length=253)
+    pin: bool = False
+    dry_run: bool = Field(False, description="validate and report, create nothing")
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> PoolPrefix:
+        given = [
+            k
+            for k in ("tokens", "prompt", "messages", "from_session")
+            if getattr(self, k) is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of tokens, prompt, messages or from_session"
+                + (f" (got {', '.join(given)})" if given else "")
+            )
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools are rendered with messages; give messages too")
+        return self
+
+
+class PoolCreateRequest(PoolPrefix):
+    """``POST /polykv/pools``: a root pool."""
+
+
+class PoolForkRequest(PoolPrefix):
+    """``POST /polykv/pools/{id}/fork``: the child's FULL prefix [0, L); D defaults to the
+    longest common prefix with the parent (== parent's length: extend; shorter: branch)."""
+
+    branch_pos: int | None = Field(None, ge=1)
+
+
+class PoolSession(BaseModel):
+    session_id: str | None
+    slot: int
+    shared_prefix_tokens: int = Field(description="leading positions whose cells are the pool's")
+    suffix_n_tokens: int
+    marginal_kv_bytes: int = Field(description="bytes of KV cells only this session holds")
+    tps_ewma: float
+    state: Literal["idle", "prefill", "decoding"]
+
+
+class PoolStatus(BaseModel):
+    pool_id: int
+    name: str | None
+    parent: int | None
+    parent_name: str | None
+    branch_pos: int
+    prefix_len: int
+    prefix_hash: str = Field(description="chained xxhash64 of tokens [0, L), hex")
+    own_kv_bytes: int = Field(description="KV bytes of cells this pool owns: its [D, L) range")
+    subtree_kv_bytes: int
+    residency: Literal["materializing", "resident", "evicted"]
+    pinned: bool = Field(description="explicitly pinned, or auto-pinned while in use")
+    pinned_explicit: bool
+    orphaned_pin: bool = Field(description="pinned with no sessions and no children")
+    created_ts: float
+    last_access_ts: float
+    depth: int
+    path: str
+    children: list[int]
+    sessions: list[PoolSession]
+    seq_id: int | None
+
+
+class PoolList(BaseModel):
+    """``GET /polykv/pools``. Σ own_kv_bytes + Σ sessions' marginal == kv_bytes_used."""
+
+    boot_id: str
+    pools: list[PoolStatus]
+    tree_depth: int
+    seq_ids_used: int
+    seq_ids_max: int
+    kv_cells_used: int
+    kv_cells_total: int
+    kv_bytes_per_token: int
+    kv_bytes_used: int
+    unpooled_sessions: list[PoolSession] = Field(
+        default_factory=list, description="sessions holding KV outside any pool"
+    )
+    kv_cells_measured: int | None = Field(
+        None, description="llama.cpp's own used-cell count (engine started with --polykv-kv-debug)"
+    )
+
+
+class PoolCreated(BaseModel):
+    created: bool = Field(description="false when an existing pool of that name was returned")
+    dry_run: bool = False
+    pool: PoolStatus | None = None
+    pool_id: int | None = None
+    prefix_len: int
+    branch_pos: int
+    prefix_hash: str
+    boot_id: str

@@ -134,6 +134,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="key for mutating /polykv routes (default: the API key)",
     )
     p.add_argument(
+        "--polykv-pool-grace-ms",
+        type=int,
+        default=10_000,
+        help="an idle, unpinned pool survives KV pressure this long after last use",
+    )
+    p.add_argument(
+        "--polykv-kv-debug",
+        action="store_true",
+        help="report llama.cpp's own used-cell count in /polykv/pools (for tests; slower)",
+    )
+    p.add_argument(
         "--polykv-tps-interval-ms",
         type=int,
         default=500,
@@ -180,6 +191,7 @@ def config_from_args(
         ("--polykv-max-pools", args.polykv_max_pools, 0),
         ("--threads", args.threads, 0),
         ("--port", args.port, 0),
+        ("--polykv-pool-grace-ms", args.polykv_pool_grace_ms, 0),
     ):
         if value < low:
             parser.error(f"{name} must be >= {low}, got {value}")
@@ -203,12 +215,15 @@ def config_from_args(
         flash_attn=args.flash_attn,
         cache_type_k=args.cache_type_k,
         cache_type_v=args.cache_type_v,
+        kv_debug=args.polykv_kv_debug,
     )
     engine_cfg = EngineConfig(
         runtime=runtime,
         n_parallel=args.parallel,
         max_pools=args.polykv_max_pools,
         context_shift=args.context_shift,
+        pool_grace_s=args.polykv_pool_grace_ms / 1e3,
+        kv_debug=args.polykv_kv_debug,
     )
     settings = ServerSettings(
         host=args.host,

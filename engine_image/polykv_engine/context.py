@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-from polykv_api.models import ChatCompletionRequest, PromptPart
+from polykv_api.models import ChatCompletionRequest, ChatMessage, PromptPart
 
 from .chat import ChatRenderer, ChatTemplateError
 from .engine import Engine
@@ -88,13 +88,24 @@ class AppContext:
         return self.check_prompt_fits(tokens)
 
     def render_chat(self, req: ChatCompletionRequest) -> str:
-        messages: list[dict[str, Any]] = []
-        for m in req.messages:
+        return self.render_messages(req.messages, req.tools, True, req.chat_template_kwargs)
+
+    def render_messages(
+        self,
+        messages: list[ChatMessage],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """Chat messages through the model's template. Without the generation prompt this is
+        the block a pool shares with later chat requests that start with the same messages."""
+        rendered: list[dict[str, Any]] = []
+        for m in messages:
             d = m.model_dump(exclude_none=True)
             d["content"] = m.text()
-            messages.append(d)
+            rendered.append(d)
         try:
-            text = self.renderer.render(messages, req.tools, True, req.chat_template_kwargs)
+            text = self.renderer.render(rendered, tools, add_generation_prompt, extra)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc)) from exc
         bos = self.renderer.bos_token

@@ -5,12 +5,13 @@ and read the published ``snapshot``. Each iteration of the loop is one step:
 
     drain inbox -> assign waiting requests to slots -> build ONE batch -> llama_decode -> update
 
-A batch carries one token for every decoding slot plus prompt chunks of slots still in
-prefill, up to n_batch tokens, so new prompts join running generations mid-flight
-(continuous batching). Requests beyond the slot count wait in FIFO order; none is dropped.
+A batch carries one token for every decoding slot, then prompt chunks of slots still in
+prefill, then chunks of pools being materialized, up to n_batch tokens, so new prompts join
+running generations mid-flight (continuous batching). Requests beyond the slot count wait in
+FIFO order; none is dropped.
 
-Sequence-id layout (reserved now for pools): slots use ids ``0..n_parallel-1``; ids
-``n_parallel..n_parallel+max_pools-1`` are kept for pools.
+Sequence-id layout: slots use ids ``0..n_parallel-1``; pools use
+``n_parallel..n_parallel+max_pools-1``; with ``kv_debug`` one more id is a probe.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from .kvcache import KVCache
+from .pool_manager import PoolManager, SlotRef
+from .pooltree import Pool, PoolError
 from .runtime import Batch, LlamaError, LlamaRuntime, RuntimeConfig, Sampler
 from .slot_choice import SlotView, choose_slot, common_prefix_len
 from .snapshot import Counters, EngineSnapshot, SlotSnapshot, SlotState
@@ -45,6 +49,8 @@ class EngineConfig:
     context_shift: bool = False
     tps_window_tokens: int = 128
     tps_window_s: float = 2.0
+    pool_grace_s: float = 10.0  # an idle pool is kept this long before KV pressure may evict it
+    kv_debug: bool = False  # reserve a probe sequence to read llama.cpp's used-cell count
 
 
 @dataclass(slots=True)
@@ -57,6 +63,7 @@ class Slot:
     state: SlotState = "idle"
     cache_tokens: list[int] = field(default_factory=list)  # exactly what is in KV for this seq
     session_id: str | None = None
+    pool_id: int | None = None  # the pool whose cells this slot's sequence starts with
     last_used: float = 0.0
     task: GenerateTask | None = None
     sampler: Sampler | None = None
@@ -77,6 +84,16 @@ class Slot:
             self.slot_id, self.state == "idle", self.session_id, self.cache_tokens, self.last_used
         )
 
+    def ref(self) -> SlotRef:
+        return SlotRef(
+            self.slot_id,
+            self.session_id,
+            self.state,
+            self.pool_id,
+            self.rate.tps,
+            len(self.cache_tokens),
+        )
+
 
 class Engine:
     """Owns the engine thread. Construct, ``start()``, then submit tasks."""
@@ -86,24 +103,26 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="polykv-engine", daemon=True)
         self._ready = threading.Event()
-        self._stopped = threading.Event()
         self.load_error: BaseException | None = None
         self.runtime: LlamaRuntime | None = None
         self.snapshot = EngineSnapshot(ts=time.time(), ready=False)
-        self._slots: list[Slot] = []
+        self.slots: list[Slot] = []
         self._waiting: deque[GenerateTask] = deque()
-        self._session_slot: dict[str, int] = {}
+        self.session_slot: dict[str, int] = {}
         self._decode_rate = ThroughputRate(cfg.tps_window_s)
         self._prefill_rate = ThroughputRate(cfg.tps_window_s)
         self._counters = Counters()
         self._batch: Batch | None = None
         self._stop_requested = False
+        self._kv: KVCache | None = None
+        self._pools: PoolManager | None = None
+        self.pools_disabled_reason: str | None = None
 
     # ------------------------------------------------------------------ any thread
 
     @property
     def n_seq_max(self) -> int:
-        return self.cfg.n_parallel + self.cfg.max_pools
+        return self.cfg.n_parallel + self.cfg.max_pools + (1 if self.cfg.kv_debug else 0)
 
     def start(self) -> None:
         self._thread.start()
@@ -133,7 +152,22 @@ class Engine:
         self._inbox.put(("stop", None))
         self._thread.join(timeout)
 
-    # ------------------------------------------------------------------ engine thread
+    # ------------------------------------------------------------------ engine thread only
+
+    @property
+    def rt(self) -> LlamaRuntime:
+        assert self.runtime is not None
+        return self.runtime
+
+    @property
+    def kv(self) -> KVCache:
+        assert self._kv is not None
+        return self._kv
+
+    @property
+    def pools(self) -> PoolManager:
+        assert self._pools is not None
+        return self._pools
 
     def _run(self) -> None:
         try:
@@ -150,7 +184,7 @@ class Engine:
                 if self._stop_requested:
                     break
                 self._assign_waiting()
-                if any(s.state != "idle" for s in self._slots):
+                if self._busy():
                     self._step()
                 self._publish()
         except BaseException:
@@ -165,14 +199,28 @@ class Engine:
         rt = LlamaRuntime(rcfg)
         self.runtime = rt
         n_ctx_slot = min(rt.n_ctx_seq, rt.info.n_ctx_train or rt.n_ctx_seq)
-        self._slots = [
+        self.slots = [
             Slot(i, n_ctx_slot, SessionRate(self.cfg.tps_window_tokens, self.cfg.tps_window_s))
             for i in range(self.cfg.n_parallel)
         ]
         self._batch = rt.new_batch()
+        self._kv = KVCache(rt)
+        first = self.cfg.n_parallel
+        self._pools = PoolManager(
+            self._kv,
+            range(first, first + self.cfg.max_pools),
+            rt.kv_bytes_per_token,
+            self.cfg.pool_grace_s,
+            self._session_tokens,
+        )
+        if rt.info.is_recurrent or rt.info.is_hybrid:
+            # Recurrent state cannot be shared by position range (spec §7): no pools.
+            self.pools_disabled_reason = "this model keeps recurrent state; pools need a KV cache"
+        elif self.cfg.max_pools == 0:
+            self.pools_disabled_reason = "pools are disabled (--polykv-max-pools 0)"
         log.info(
             "model loaded in %.2fs: %s, n_ctx=%d (per slot %d), n_batch=%d, slots=%d, "
-            "seq ids=%d (pools reserved %d), kv_unified=%s",
+            "seq ids=%d (pools %d), kv_unified=%s",
             time.perf_counter() - t0,
             rt.info.description,
             rt.n_ctx,
@@ -185,8 +233,12 @@ class Engine:
         )
         self._publish(ready=True)
 
+    def _busy(self) -> bool:
+        builds = self._pools is not None and bool(self._pools.builds)
+        return builds or any(s.state != "idle" for s in self.slots)
+
     def _has_work(self) -> bool:
-        return bool(self._waiting) or any(s.state != "idle" for s in self._slots)
+        return bool(self._waiting) or self._busy()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -222,7 +274,7 @@ class Engine:
                 self._waiting.remove(task)
                 self._bump(requests_cancelled=1)
                 return
-        for slot in self._slots:
+        for slot in self.slots:
             if slot.task is not None and slot.task.task_id == task_id:
                 log.info("slot %d: request %d cancelled by the client", slot.slot_id, task_id)
                 self._release(slot)
@@ -235,45 +287,105 @@ class Engine:
         if not self._waiting:
             return
         still: deque[GenerateTask] = deque()
-        views = [s.view() for s in self._slots]
+        views = [s.view() for s in self.slots]
         while self._waiting:
             task = self._waiting.popleft()
-            session_slot = self._session_slot.get(task.session_id) if task.session_id else None
-            if task.id_slot >= len(self._slots):
-                self._fail(
-                    task, 400, "invalid_request_error", f"id_slot {task.id_slot} does not exist"
-                )
+            if task.id_slot >= len(self.slots):
+                msg = f"id_slot {task.id_slot} does not exist"
+                self._fail(task, 400, "invalid_request_error", msg)
                 continue
+            try:
+                if task.pool_ref is not None and not self._pool_ready_for(task):
+                    still.append(task)  # waits while its pool (re-)materializes
+                    continue
+            except PoolError as exc:
+                self._fail(task, exc.status, exc.type or "invalid_request_error", exc.message)
+                continue
+            session_slot = self.session_slot.get(task.session_id) if task.session_id else None
             chosen = choose_slot(views, task.prompt, session_slot, task.id_slot, task.cache_prompt)
             if chosen is None:
                 still.append(task)
                 continue
-            self._begin(self._slots[chosen], task)
-            views[chosen] = self._slots[chosen].view()
+            self._begin(self.slots[chosen], task)
+            views[chosen] = self.slots[chosen].view()
         self._waiting = still
 
+    def _pool_ready_for(self, task: GenerateTask) -> bool:
+        """Resolve the task's pool; False while it is (re-)materializing. Raises PoolError."""
+        assert task.pool_ref is not None
+        if self.pools_disabled_reason:
+            raise PoolError(501, self.pools_disabled_reason, "not_supported_error")
+        pool = self.pools.tree.resolve(task.pool_ref)
+        if pool.residency != "resident":
+            fut = self.pools.ensure_resident(pool)
+            if fut.done() and fut.exception() is not None:
+                exc = fut.exception()
+                raise exc if isinstance(exc, PoolError) else PoolError(500, str(exc))
+            return False
+        task.pool = pool
+        return True
+
+    def _attach(self, slot: Slot, task: GenerateTask, pool: Pool) -> int:
+        """Make the slot's sequence start with the pool's cells; returns P (shared length)."""
+        assert pool.seq_id is not None
+        prompt = task.prompt
+        if task.pool_p is not None:
+            p = task.pool_p
+            if p > pool.prefix_len:
+                raise PoolError(
+                    409,
+                    f"shared_prefix_n_tokens {p} exceeds pool {pool.label!r}'s prefix_len "
+                    f"{pool.prefix_len}",
+                )
+            d = common_prefix_len(prompt[:p], pool.tokens[:p])
+            if d < p:
+                raise PoolError(
+                    409,
+                    f"the prompt differs from pool {pool.label!r} at token {d}, inside the "
+                    f"declared shared prefix of {p} tokens",
+                )
+        else:
+            p = common_prefix_len(prompt, pool.tokens)  # auto-P
+        p = min(p, len(prompt) - 1)  # the last prompt token is recomputed for its logits
+        own = common_prefix_len(slot.cache_tokens, prompt) if task.cache_prompt else 0
+        if p > own:
+            self.kv.clear(slot.slot_id)
+            slot.cache_tokens.clear()
+            self.kv.share(pool.seq_id, slot.slot_id, 0, p)
+            slot.cache_tokens.extend(prompt[:p])
+        pool.last_access_ts = time.time()
+        return p
+
     def _begin(self, slot: Slot, task: GenerateTask) -> None:
-        rt = self._rt
         now = time.perf_counter()
+        p_shared = 0
+        if task.pool is not None:
+            try:
+                p_shared = self._attach(slot, task, task.pool)
+            except PoolError as exc:
+                self._fail(task, exc.status, exc.type or "conflict_error", exc.message)
+                return
         if slot.session_id is not None and slot.session_id != task.session_id:
             # Another session takes this slot: the previous one loses its affinity.
-            self._session_slot.pop(slot.session_id, None)
+            self.session_slot.pop(slot.session_id, None)
             slot.session_id = None
         if task.session_id is not None:
-            self._session_slot[task.session_id] = slot.slot_id
+            self.session_slot[task.session_id] = slot.slot_id
             slot.session_id = task.session_id
-        keep = common_prefix_len(slot.cache_tokens, task.prompt) if task.cache_prompt else 0
+        keep = common_prefix_len(slot.cache_tokens, task.prompt)
+        if not task.cache_prompt:
+            keep = min(keep, p_shared)
         keep = min(keep, len(task.prompt) - 1)  # the last prompt token is recomputed for logits
-        rt.seq_rm(slot.slot_id, keep, -1)
+        self.kv.truncate(slot.slot_id, keep)
         del slot.cache_tokens[keep:]
+        self._update_pool_link(slot, task.pool)
+        if task.pool is not None and task.pool.seq_id is not None:
+            task.shared_prefix = self.kv.model.common_cells(slot.slot_id, task.pool.seq_id)
         sampling = task.sampling.resolved()
-        slot.sampler = rt.new_sampler(sampling)
+        slot.sampler = self.rt.new_sampler(sampling)
         if sampling.has_penalties:
-            for tok in (
-                task.prompt[-sampling.repeat_last_n :]
-                if sampling.repeat_last_n > 0
-                else task.prompt
-            ):
+            n = sampling.repeat_last_n
+            for tok in task.prompt[-n:] if n > 0 else task.prompt:
                 slot.sampler.accept(tok)
         slot.seed = sampling.seed
         slot.task = task
@@ -289,20 +401,32 @@ class Engine:
         slot.t_first = 0.0
         slot.last_used = time.time()
         log.debug(
-            "slot %d: request %d (session %s) prompt=%d cached=%d",
+            "slot %d: request %d (session %s) prompt=%d cached=%d pool=%s",
             slot.slot_id,
             task.task_id,
             task.session_id,
             len(task.prompt),
             keep,
+            task.pool.label if task.pool else None,
         )
 
-    # ------------------------------------------------------------------ one step
+    def _update_pool_link(self, slot: Slot, pool: Pool | None) -> None:
+        """Keep slot.pool_id true: set while the slot's first cells are still that pool's."""
+        if pool is None and slot.pool_id is not None:
+            pool = self.pools.tree.pools.get(slot.pool_id)
+        if pool is None or pool.seq_id is None:
+            slot.pool_id = None
+            return
+        shared = self.kv.model.common_cells(slot.slot_id, pool.seq_id)
+        slot.pool_id = pool.pool_id if shared > 0 else None
 
-    @property
-    def _rt(self) -> LlamaRuntime:
-        assert self.runtime is not None
-        return self.runtime
+    def _session_tokens(self, session_id: str) -> tuple[int, list[int]] | None:
+        slot_id = self.session_slot.get(session_id)
+        if slot_id is None:
+            return None
+        return slot_id, list(self.slots[slot_id].cache_tokens)
+
+    # ------------------------------------------------------------------ one step
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -314,12 +438,11 @@ class Engine:
                 return
             td = time.perf_counter()
             try:
-                rc = self._rt.decode(batch)
+                rc = self.rt.decode(batch)
             except LlamaError as exc:
                 self._abort_batch(str(exc))
                 return
-            t_decode = time.perf_counter() - td
-            self._bump(decode_calls=1, decode_seconds=t_decode)
+            self._bump(decode_calls=1, decode_seconds=time.perf_counter() - td)
             if rc == 0:
                 break
             if not self._make_room():
@@ -330,19 +453,18 @@ class Engine:
     def _build_batch(self, batch: Batch) -> None:
         batch.clear()
         budget = batch.capacity
-        for slot in self._slots:
+        for slot in self.slots:
             slot.logits_idx = -1
             slot.batch_tokens = 0
-        for slot in self._slots:
+        for slot in self.slots:
             if slot.state == "decoding" and slot.pending is not None and budget > 0:
-                slot.logits_idx = batch.add(
-                    slot.pending, len(slot.cache_tokens), slot.slot_id, True
-                )
+                pos = len(slot.cache_tokens)
+                slot.logits_idx = batch.add(slot.pending, pos, slot.slot_id, True)
                 slot.batch_tokens = 1
                 budget -= 1
         # Prompts in arrival order, so an early long prompt is not starved by later short ones.
         prefilling = sorted(
-            (s for s in self._slots if s.state == "prefill"), key=lambda s: s.t_start
+            (s for s in self.slots if s.state == "prefill"), key=lambda s: s.t_start
         )
         for slot in prefilling:
             if budget <= 0:
@@ -355,79 +477,75 @@ class Engine:
                 slot.logits_idx = last
             slot.batch_tokens = n
             budget -= n
+        self.pools.add_to_batch(batch, budget)
 
     def _abort_batch(self, reason: str) -> None:
-        """A decode failed hard: fail every request in the batch and forget their KV."""
-        log.error("llama_decode failed: %s; failing %d request(s)", reason, self._batch_slots())
-        for slot in self._slots:
-            if slot.batch_tokens and slot.task is not None:
-                self._fail_slot(slot, 500, "server_error", f"decode failed: {reason}")
-                self._rt.seq_rm(slot.slot_id, -1, -1)
-                slot.cache_tokens.clear()
-
-    def _batch_slots(self) -> int:
-        return sum(1 for s in self._slots if s.batch_tokens)
+        """A decode failed hard: fail every request and build in the batch, forget their KV."""
+        in_batch = [s for s in self.slots if s.batch_tokens and s.task is not None]
+        log.error("llama_decode failed: %s; failing %d request(s)", reason, len(in_batch))
+        for slot in in_batch:
+            self._fail_slot(slot, 500, "server_error", f"decode failed: {reason}")
+            self.kv.clear(slot.slot_id)
+            slot.cache_tokens.clear()
+            slot.pool_id = None
+        for build in self.pools.builds_in_batch():
+            self.pools.fail_build(build, PoolError(500, f"decode failed: {reason}", "server_error"))
 
     def _make_room(self) -> bool:
         """llama_decode found no free KV cells. Free some, or shed work; True to retry."""
         self._bump(kv_full_events=1)
         # 1. Prompt caches of idle slots are only an optimisation: drop the oldest.
         idle = sorted(
-            (s for s in self._slots if s.state == "idle" and s.cache_tokens),
+            (s for s in self.slots if s.state == "idle" and s.cache_tokens),
             key=lambda s: s.last_used,
         )
         if idle:
             victim = idle[0]
             log.info("KV cache full: dropping idle slot %d's prompt cache", victim.slot_id)
-            self._rt.seq_rm(victim.slot_id, -1, -1)
+            self.kv.clear(victim.slot_id)
             victim.cache_tokens.clear()
+            victim.pool_id = None
             return True
-        # 2. Prompts still prefilling can wait until running sessions finish.
-        active = [s for s in self._slots if s.state != "idle"]
+        # 2. Unpinned pools nobody used within the grace TTL: re-materialized on demand.
+        refs = [s.ref() for s in self.slots]
+        reclaimable = self.pools.reclaimable(refs, time.time())
+        if reclaimable:
+            log.info("KV cache full: evicting idle pool %s", reclaimable[0].label)
+            self.pools.evict(reclaimable[0], refs)
+            return True
+        # 3. Pool builds and prompts still prefilling can wait for running sessions.
+        builds = self.pools.builds_in_batch()
+        if builds:
+            msg = "KV cache full while materializing the pool; release pools or retry later"
+            self.pools.fail_build(builds[-1], PoolError(503, msg, "unavailable_error"))
+            return True
+        active = [s for s in self.slots if s.state != "idle"]
         prefilling = [s for s in active if s.state == "prefill"]
         decoding = [s for s in active if s.state == "decoding"]
         if prefilling and decoding:
             youngest = max(prefilling, key=lambda s: s.t_start)
-            self._fail_slot(
-                youngest, 503, "unavailable_error", "KV cache full: retry when sessions finish"
-            )
+            msg = "KV cache full: retry when sessions finish"
+            self._fail_slot(youngest, 503, "unavailable_error", msg)
             return True
-        # 3. Nothing left to shed but running sessions: end the youngest one cleanly.
-        victim_slot = max(active, key=lambda s: s.t_start) if active else None
-        if victim_slot is None:
+        # 4. Nothing left to shed but running sessions: end the youngest one cleanly.
+        if not active:
             return False
+        victim_slot = max(active, key=lambda s: s.t_start)
         if victim_slot.state == "prefill":
-            self._fail_slot(
-                victim_slot,
-                400,
-                "exceed_context_size_error",
-                "the prompt does not fit in the free KV cache",
-            )
+            msg = "the prompt does not fit in the free KV cache"
+            self._fail_slot(victim_slot, 400, "exceed_context_size_error", msg)
         else:
             log.warning("KV cache full: stopping slot %d early", victim_slot.slot_id)
             self._finish(victim_slot, "limit", truncated=True)
-        return any(s.state != "idle" for s in self._slots)
-
-    def _shift_context(self, slot: Slot) -> None:
-        """Drop half of the slot's history after n_keep so generation can go on."""
-        task = slot.task
-        assert task is not None
-        n_past = len(slot.cache_tokens)
-        n_keep = min(task.n_keep, n_past - 1)
-        n_discard = (n_past - n_keep) // 2
-        rt = self._rt
-        rt.seq_rm(slot.slot_id, n_keep, n_keep + n_discard)
-        rt.seq_add(slot.slot_id, n_keep + n_discard, n_past, -n_discard)
-        del slot.cache_tokens[n_keep : n_keep + n_discard]
-        self._bump(context_shifts=1)
-        log.info("slot %d: context shift, discarded %d tokens", slot.slot_id, n_discard)
+        return self._busy()
 
     def _after_decode(self, now: float) -> None:
         n_decoded = 0
         n_prefilled = 0
-        for slot in self._slots:
+        for slot in self.slots:
             if slot.batch_tokens == 0:
                 continue
+            self.kv.decoded(slot.slot_id, slot.batch_tokens)
             if slot.state == "prefill":
                 start = slot.n_prompt_done
                 slot.cache_tokens.extend(slot.prompt[start : start + slot.batch_tokens])
@@ -448,6 +566,7 @@ class Engine:
                 slot.pending = None
                 n_decoded += 1
             self._sample(slot, now)
+        n_prefilled += self.pools.after_decode()
         if n_decoded:
             self._decode_rate.add(n_decoded, now)
         if n_prefilled:
@@ -459,15 +578,14 @@ class Engine:
         if task.stop.n_predict == 0:
             self._finish(slot, "limit")  # prompt processing only (e.g. to warm a cache)
             return
-        tok = slot.sampler.sample(self._rt.ctx, slot.logits_idx)
+        tok = slot.sampler.sample(self.rt.ctx, slot.logits_idx)
         slot.rate.on_token(now)
         stop = task.stop
-        if self._rt.is_eog(tok) and not stop.ignore_eos:
-            slot.generated.append(tok)
+        slot.generated.append(tok)
+        if self.rt.is_eog(tok) and not stop.ignore_eos:
             self._finish(slot, "eos")
             return
-        slot.generated.append(tok)
-        text = slot.assembler.push(self._rt.token_bytes(tok))
+        text = slot.assembler.push(self.rt.token_bytes(tok))
         if text or not slot.assembler.stops:
             task.sink.emit(TokenEvent(text, tok))
         if slot.assembler.stopping_word is not None:
@@ -479,10 +597,33 @@ class Engine:
         slot.pending = tok
         if len(slot.cache_tokens) >= slot.n_ctx:
             # The pending token has no position left in this slot's context.
-            if self.cfg.context_shift:
+            if self.cfg.context_shift and self._can_shift(slot):
                 self._shift_context(slot)
             else:
                 self._finish(slot, "limit", truncated=True)
+
+    def _can_shift(self, slot: Slot) -> bool:
+        """A shift moves cell positions; cells shared with a pool or another session would
+        move for them too and corrupt them, so such a slot stops cleanly instead (P6a)."""
+        assert slot.task is not None
+        n_keep = min(slot.task.n_keep, len(slot.cache_tokens) - 1)
+        if self.kv.model.shared_from(slot.slot_id, n_keep):
+            log.info(
+                "slot %d: context full; shared cells are never shifted (clean stop)", slot.slot_id
+            )
+            return False
+        return True
+
+    def _shift_context(self, slot: Slot) -> None:
+        """Drop half of the slot's history after n_keep so generation can go on."""
+        assert slot.task is not None
+        n_past = len(slot.cache_tokens)
+        n_keep = min(slot.task.n_keep, n_past - 1)
+        n_discard = (n_past - n_keep) // 2
+        self.kv.shift(slot.slot_id, n_keep, n_discard)
+        del slot.cache_tokens[n_keep : n_keep + n_discard]
+        self._bump(context_shifts=1)
+        log.info("slot %d: context shift, discarded %d tokens", slot.slot_id, n_discard)
 
     def _finish(self, slot: Slot, stop_type: StopType, truncated: bool = False) -> None:
         task = slot.task
@@ -507,6 +648,8 @@ class Engine:
             prompt_ms=(t_first - slot.t_start) * 1e3,
             predicted_ms=(now - t_first) * 1e3,
             tps_ewma=slot.rate.tps,
+            pool_id=task.pool.pool_id if task.pool is not None else None,
+            shared_prefix=task.shared_prefix,
         )
         self._bump(
             requests_done=1,
@@ -537,6 +680,14 @@ class Engine:
         slot.state = "idle"
         slot.last_used = time.time()
 
+    # ------------------------------------------------------------------ measurement
+
+    def measure_used_cells(self) -> int | None:
+        """llama.cpp's own count of used KV cells (needs ``kv_debug``); None if unavailable."""
+        if not self.cfg.kv_debug:
+            return None
+        return self.rt.measure_used_cells(self.n_seq_max - 1)
+
     # ------------------------------------------------------------------ publishing
 
     def _bump(self, **deltas: float) -> None:
@@ -551,6 +702,7 @@ class Engine:
                 state=s.state,
                 task_id=s.task.task_id if s.task else None,
                 session_id=s.session_id,
+                pool_id=s.pool_id,
                 n_ctx=s.n_ctx,
                 ctx_used=len(s.cache_tokens),
                 n_prompt=len(s.prompt) if s.task else 0,
@@ -564,7 +716,7 @@ class Engine:
                 warming=s.rate.warming,
                 last_used=s.last_used,
             )
-            for s in self._slots
+            for s in self.slots
         )
         rt = self.runtime
         self.snapshot = EngineSnapshot(
@@ -574,8 +726,9 @@ class Engine:
             n_waiting=len(self._waiting),
             aggregate_tps=self._decode_rate.rate(now),
             prefill_tps=self._prefill_rate.rate(now),
-            kv_cells_used=sum(len(s.cache_tokens) for s in self._slots),
+            kv_cells_used=self._kv.used if self._kv is not None else 0,
             kv_cells_total=rt.n_ctx if rt else 0,
+            n_pools=len(self._pools.tree.pools) if self._pools is not None else 0,
             counters=self._counters,
         )
 
@@ -583,13 +736,16 @@ class Engine:
         for task in self._waiting:
             self._fail(task, 503, "unavailable_error", "server is shutting down")
         self._waiting.clear()
-        for slot in self._slots:
+        for slot in self.slots:
             if slot.task is not None:
                 self._fail_slot(slot, 503, "unavailable_error", "server is shutting down")
+        if self._pools is not None:
+            for build in list(self._pools.builds):
+                err = PoolError(503, "server is shutting down", "unavailable_error")
+                self._pools.fail_build(build, err)
         self._publish(ready=False)
         if self.runtime is not None:
             try:
                 self.runtime.close()
             except LlamaError:
                 log.exception("error while freeing the llama context")
-        self._stopped.set()

@@ -48,7 +48,13 @@ def _usage(r: GenerationResult) -> dict[str, Any]:
 
 
 def _polykv(r: GenerationResult) -> dict[str, Any]:
-    return {"session_id": r.session_id, "slot": r.slot, "tps_ewma": r.tps_ewma}
+    return {
+        "session_id": r.session_id,
+        "slot": r.slot,
+        "tps_ewma": r.tps_ewma,
+        "pool_id": r.pool_id,
+        "shared_prefix_tokens": r.shared_prefix,
+    }
 
 
 class ResponseBuilder:

@@ -80,16 +80,31 @@ def _task_from(
         session_id=session,
         id_slot=req.id_slot,
         cache_prompt=req.cache_prompt,
+        pool_ref=_pool_ref(req),
+        pool_p=req.shared_prefix_n_tokens,
     )
 
 
+def _pool_ref(req: SamplingFields) -> int | str | None:
+    ref = req.pool_ref()
+    if isinstance(ref, str) and ref.isdigit():
+        return int(ref)
+    if req.shared_prefix_n_tokens is not None and ref is None:
+        raise ApiError(400, "shared_prefix_n_tokens needs pool_id (or shared_pool_slot)")
+    return ref
+
+
 def _headers(req: SamplingFields, task: GenerateTask) -> dict[str, str]:
+    """Known once the task holds a slot: its first event has arrived."""
     headers: dict[str, str] = {}
     ignored = req.ignored_fields()
     if ignored:
         headers[IGNORED_HEADER] = ",".join(ignored)
     if task.session_id:
         headers["x-session-id"] = task.session_id
+    if task.pool is not None:
+        headers["x-pool-id"] = str(task.pool.pool_id)
+        headers["x-cached-prefix-tokens"] = str(task.shared_prefix)
     return headers
 
 

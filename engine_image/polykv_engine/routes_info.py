@@ -94,7 +94,7 @@ async def slots(request: web.Request) -> web.Response:
                 "is_processing": s.processing,
                 "state": s.state,
                 "session_id": s.session_id,
-                "pool_id": None,
+                "pool_id": s.pool_id,
                 "tps_ewma": s.tps_ewma,
                 "warming": s.warming and s.processing,
                 "ctx_used": s.ctx_used,
@@ -139,6 +139,7 @@ def tps_snapshot(snap: EngineSnapshot) -> TpsSnapshot:
         SessionTps(
             session_id=s.session_id,
             slot=s.slot_id,
+            pool_id=s.pool_id,
             state=s.state,
             tps_ewma=s.tps_ewma,
             warming=s.warming and s.processing,

@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,9 @@ log = logging.getLogger("polykv.llama")
 # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line.
 _LOG_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
 _last_level = logging.DEBUG
+# With LLAMA_KV_CACHE_DEBUG=1, find_slot logs "used = N": the only public view of used cells.
+_USED_RE = re.compile(r"used = +(\d+)")
+_used_capture: list[int] | None = None
 
 
 @C.llama_log_callback  # type: ignore[untyped-decorator]
@@ -47,6 +51,10 @@ def _route_llama_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     py_level = _last_level if level == 5 else _LOG_LEVELS.get(level, logging.DEBUG)
     _last_level = py_level
     message = text.decode("utf-8", "replace").rstrip()
+    if _used_capture is not None and "find_slot" in message:
+        found = _USED_RE.search(message)
+        if found:
+            _used_capture.append(int(found.group(1)))
     if message and log.isEnabledFor(py_level):
         log.log(py_level, "%s", message)
 
@@ -77,6 +85,7 @@ class RuntimeConfig:
     n_threads_batch: int = 0
     n_gpu_layers: int = 0
     kv_unified: bool = True
+    kv_debug: bool = False  # let measure_used_cells read llama.cpp's own used-cell count
     flash_attn: str = "auto"  # on | off | auto (auto = on only when layers are offloaded)
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
@@ -235,6 +244,8 @@ class LlamaRuntime:
         cparams.flash_attn_type = self._flash_attn_type(cfg)
         cparams.type_k = CACHE_TYPES[cfg.cache_type_k][0]
         cparams.type_v = CACHE_TYPES[cfg.cache_type_v][0]
+        if cfg.kv_debug:
+            os.environ["LLAMA_KV_CACHE_DEBUG"] = "1"  # read when the KV cache is built
         ctx = C.llama_init_from_model(model, cparams)
         if not ctx:
             self.close()
@@ -360,6 +371,30 @@ class LlamaRuntime:
     def seq_pos_max(self, seq: int) -> int:
         self._check_seq(seq)
         return int(C.llama_memory_seq_pos_max(self._mem, seq))
+
+    def measure_used_cells(self, probe_seq: int) -> int | None:
+        """Used KV cells as llama.cpp counts them: decode one probe token into the empty
+        ``probe_seq`` and read the count its slot search logs, then remove the probe."""
+        global _used_capture
+        if not self.cfg.kv_debug:
+            return None
+        self._check_seq(probe_seq)
+        batch = C.llama_batch_init(1, 0, 1)
+        try:
+            batch.n_tokens = 1
+            batch.token[0] = self.info.bos
+            batch.pos[0] = 0
+            batch.n_seq_id[0] = 1
+            batch.seq_id[0][0] = probe_seq
+            batch.logits[0] = 0
+            _used_capture = []
+            rc = C.llama_decode(self.ctx, batch)
+            seen, _used_capture = _used_capture, None
+        finally:
+            _used_capture = None
+            C.llama_memory_seq_rm(self._mem, probe_seq, -1, -1)
+            C.llama_batch_free(batch)
+        return seen[0] if rc == 0 and seen else None
 
     def clear_memory(self) -> None:
         C.llama_memory_clear(self._mem, True)

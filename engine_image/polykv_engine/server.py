@@ -8,7 +8,6 @@ to ``shutdown_timeout_s`` to finish, then the engine thread frees the model.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
 import time
@@ -16,32 +15,18 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from . import routes_inference, routes_info
+from . import routes_inference, routes_info, routes_pools
 from .context import APP_KEY, AppContext, ServerSettings
 from .engine import Engine
 from .http_errors import ApiError
 from .metrics import build_registry
+from .server_auth import auth_middleware
 
 log = logging.getLogger("polykv.http")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# Open without a key, as in llama-server: probes and scrapers carry no secrets.
-PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
 HTTP_COUNTER = web.AppKey("http_counter", object)
-
-
-def _presented_key(request: web.Request) -> str | None:
-    auth = request.headers.get("Authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip()
-    return request.headers.get("X-Api-Key")
-
-
-def key_matches(presented: str | None, keys: tuple[str, ...]) -> bool:
-    if presented is None:
-        return False
-    return any(hmac.compare_digest(presented.encode(), k.encode()) for k in keys)
 
 
 @web.middleware
@@ -71,17 +56,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 @web.middleware
-async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    settings = request.app[APP_KEY].settings
-    needs_key = bool(settings.api_keys) and request.path not in PUBLIC_PATHS
-    if needs_key and not key_matches(
-        _presented_key(request), settings.api_keys + settings.admin_keys
-    ):
-        raise ApiError(401, "Invalid API Key", "authentication_error")
-    return await handler(request)
-
-
-@web.middleware
 async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     resp = await handler(request)
     route = request.match_info.route.resource
@@ -103,6 +77,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
     app[HTTP_COUNTER] = http_counter
     routes_info.add_routes(app)
     routes_inference.add_routes(app)
+    routes_pools.add_routes(app)
     return app
 
 

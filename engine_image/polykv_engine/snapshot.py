@@ -18,6 +18,7 @@ class SlotSnapshot:
     state: SlotState
     task_id: int | None
     session_id: str | None
+    pool_id: int | None
     n_ctx: int
     ctx_used: int
     n_prompt: int
@@ -61,6 +62,7 @@ class EngineSnapshot:
     prefill_tps: float = 0.0
     kv_cells_used: int = 0
     kv_cells_total: int = 0
+    n_pools: int = 0
     counters: Counters = field(default_factory=Counters)
 
     @property

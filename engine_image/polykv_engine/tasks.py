@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from .sampling import SamplingParams, StopParams
+
+if TYPE_CHECKING:
+    from .pooltree import Pool
 
 _task_ids = itertools.count(1)
 
@@ -45,6 +48,8 @@ class GenerationResult:
     prompt_ms: float
     predicted_ms: float
     tps_ewma: float
+    pool_id: int | None = None
+    shared_prefix: int = 0  # leading prompt tokens whose KV cells are the pool's
 
     @property
     def n_prompt_tokens(self) -> int:
@@ -82,5 +87,11 @@ class GenerateTask:
     id_slot: int = -1
     cache_prompt: bool = True
     n_keep: int = 0
+    pool_ref: int | str | None = None  # attach to this pool (id or name)
+    pool_p: int | None = None  # explicit shared prefix length; None = auto-P
     task_id: int = field(default_factory=next_task_id)
     submitted_at: float = 0.0
+    # Filled in on the engine thread:
+    pool: Pool | None = None
+    shared_prefix: int = 0
+    slot: int = -1

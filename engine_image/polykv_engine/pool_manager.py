@@ -1,0 +1,415 @@
+"""Pools on the engine thread: materialization, retention, release and status.
+
+The tree rules live in ``pooltree`` (pure); this module applies them to the KV cache. A
+pool is materialized by a prefill-only build that rides the normal batch (no logits, no
+slot): a fork first shares its parent's cells ``[0, D)`` (``seq_cp``, copy-free), then
+prefills ``[D, L)``. Engine thread only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from polykv_api.models import PoolList, PoolSession, PoolStatus
+
+from .kvcache import KVCache
+from .pooltree import Pool, PoolError, PoolTree
+from .runtime import Batch
+
+log = logging.getLogger("polykv.pools")
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    """What the pool manager needs to know about a slot."""
+
+    slot_id: int
+    session_id: str | None
+    state: str
+    pool_id: int | None
+    tps_ewma: float
+    n_tokens: int
+
+
+@dataclass(slots=True)
+class Build:
+    pool: Pool
+    rebuild: bool = False  # re-materializing an evicted pool (a failure leaves it evicted)
+    started: bool = False
+    batch_tokens: int = 0
+    waiters: list[concurrent.futures.Future[None]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """A create/fork request with its prefix already turned into tokens (or a session)."""
+
+    tokens: list[int] | None
+    from_session: str | None
+    name: str | None
+    pin: bool
+    dry_run: bool
+    parent: int | str | None = None
+    branch_pos: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CreateResult:
+    pool: Pool
+    created: bool
+    ready: concurrent.futures.Future[None]
+
+
+class PoolManager:
+    def __init__(
+        self,
+        kv: KVCache,
+        seq_ids: range,
+        bytes_per_token: int,
+        grace_s: float,
+        session_tokens: Callable[[str], tuple[int, list[int]] | None],
+    ) -> None:
+        self.kv = kv
+        self.tree = PoolTree(seq_ids)
+        self.bpt = bytes_per_token
+        self.grace_s = grace_s
+        self._session_tokens = session_tokens
+        self.builds: list[Build] = []
+
+    # ------------------------------------------------------------------ create / fork
+
+    def create(self, spec: PoolSpec) -> CreateResult | Pool:
+        """Validate, register and start materializing. A dry run returns the planned Pool."""
+        parent = self.tree.resolve(spec.parent) if spec.parent is not None else None
+        tokens, src_slot = self._prefix_tokens(spec)
+        existing = self.tree.existing_for(spec.name, tokens, parent)
+        if existing is not None:
+            existing.last_access_ts = time.time()
+            return CreateResult(existing, False, self.ensure_resident(existing))
+        if parent is None:
+            planned = self.tree.plan_root(tokens, spec.name)
+        else:
+            planned = self.tree.plan_fork(parent, tokens, spec.branch_pos, spec.name)
+        planned.pinned = spec.pin
+        if spec.dry_run:
+            return planned
+        pool = self.tree.add(planned)
+        if src_slot is not None:
+            # Snapshot of a live session: its cells already hold [0, L). Share them.
+            assert pool.seq_id is not None
+            self.kv.share(src_slot, pool.seq_id, 0, pool.prefix_len)
+            pool.n_materialized = pool.prefix_len
+            pool.residency = "resident"
+            done: concurrent.futures.Future[None] = concurrent.futures.Future()
+            done.set_result(None)
+            log.info(
+                "pool %s: snapshot of session %s, %d tokens",
+                pool.label,
+                spec.from_session,
+                pool.prefix_len,
+            )
+            return CreateResult(pool, True, done)
+        log.info(
+            "pool %s: materializing L=%d D=%d parent=%s",
+            pool.label,
+            pool.prefix_len,
+            pool.branch_pos,
+            parent.label if parent else None,
+        )
+        build = Build(pool)
+        self.builds.append(build)
+        return CreateResult(pool, True, self._waiter(build))
+
+    def _prefix_tokens(self, spec: PoolSpec) -> tuple[list[int], int | None]:
+        if spec.tokens is not None:
+            return spec.tokens, None
+        assert spec.from_session is not None
+        found = self._session_tokens(spec.from_session)
+        if found is None:
+            raise PoolError(
+                404, f"session {spec.from_session!r} is not known to this engine", "not_found_error"
+            )
+        slot_id, tokens = found
+        if not tokens:
+            raise PoolError(409, f"session {spec.from_session!r} holds no context yet")
+        return tokens, slot_id
+
+    def _waiter(self, build: Build) -> concurrent.futures.Future[None]:
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        build.waiters.append(fut)
+        return fut
+
+    def ensure_resident(self, pool: Pool) -> concurrent.futures.Future[None]:
+        """A future that completes when ``pool`` is in KV, re-materializing it if evicted."""
+        if pool.residency == "resident":
+            fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+            fut.set_result(None)
+            return fut
+        for build in self.builds:
+            if build.pool is pool:
+                return self._waiter(build)
+        assert pool.residency == "evicted"
+        if pool.parent_id is not None:
+            self.ensure_resident(self.tree.pools[pool.parent_id])
+        pool.seq_id = self.tree.take_seq()
+        pool.residency = "materializing"
+        pool.n_materialized = 0
+        log.info("pool %s: re-materializing after eviction", pool.label)
+        build = Build(pool, rebuild=True)
+        self.builds.append(build)
+        return self._waiter(build)
+
+    # ------------------------------------------------------------------ the batch
+
+    def add_to_batch(self, batch: Batch, budget: int) -> int:
+        """Add prefill chunks of pending builds (no logits); returns the budget left."""
+        for build in self.builds:
+            build.batch_tokens = 0
+            if budget <= 0:
+                continue
+            pool = build.pool
+            assert pool.seq_id is not None
+            if not build.started:
+                if pool.parent_id is not None:
+                    parent = self.tree.pools[pool.parent_id]
+                    if parent.residency != "resident":
+                        continue  # wait for the parent's own build
+                    assert parent.seq_id is not None
+                    self.kv.share(parent.seq_id, pool.seq_id, 0, pool.branch_pos)
+                    pool.n_materialized = pool.branch_pos
+                build.started = True
+            n = min(pool.prefix_len - pool.n_materialized, budget)
+            if n <= 0:
+                continue
+            chunk = pool.tokens[pool.n_materialized : pool.n_materialized + n]
+            batch.add_span(chunk, pool.n_materialized, pool.seq_id, logits_last=False)
+            build.batch_tokens = n
+            budget -= n
+        return budget
+
+    def after_decode(self) -> int:
+        """Account decoded chunks; finish builds that are complete. Returns tokens prefilled."""
+        total = 0
+        for build in list(self.builds):
+            pool = build.pool
+            if build.batch_tokens:
+                assert pool.seq_id is not None
+                self.kv.decoded(pool.seq_id, build.batch_tokens)
+                pool.n_materialized += build.batch_tokens
+                total += build.batch_tokens
+                build.batch_tokens = 0
+            if build.started and pool.n_materialized == pool.prefix_len:
+                pool.residency = "resident"
+                self.builds.remove(build)
+                log.info("pool %s: resident (%d tokens)", pool.label, pool.prefix_len)
+                for fut in build.waiters:
+                    fut.set_result(None)
+        return total
+
+    def builds_in_batch(self) -> list[Build]:
+        return [b for b in self.builds if b.batch_tokens]
+
+    def fail_build(self, build: Build, error: PoolError) -> None:
+        """Abandon a build: the pool is removed entirely, nothing is left half-created."""
+        self.builds.remove(build)
+        pool = build.pool
+        log.warning("pool %s: materialization failed: %s", pool.label, error.message)
+        # Children waiting on this build fail with it.
+        for child in self.tree.descendants(pool):
+            for other in list(self.builds):
+                if other.pool is child:
+                    self.fail_build(
+                        other, PoolError(error.status, f"parent failed: {error.message}")
+                    )
+        if build.rebuild:
+            self._evict_now(pool)
+        else:
+            if pool.seq_id is not None:
+                self.kv.clear(pool.seq_id)
+            self.tree.remove(pool)
+        for fut in build.waiters:
+            fut.set_exception(error)
+
+    # ------------------------------------------------------------------ retention
+
+    def sessions_of(self, pool: Pool, slots: Sequence[SlotRef]) -> list[SlotRef]:
+        return [s for s in slots if s.pool_id == pool.pool_id]
+
+    def auto_pin_reasons(self, pool: Pool, slots: Sequence[SlotRef]) -> list[str]:
+        reasons = []
+        if self.sessions_of(pool, slots):
+            reasons.append("sessions are attached")
+        live_kids = [
+            self.tree.pools[c].label
+            for c in sorted(pool.children)
+            if self.tree.pools[c].residency != "evicted"
+        ]
+        if live_kids:
+            reasons.append(f"child pools are resident ({', '.join(live_kids)})")
+        return reasons
+
+    def is_pinned(self, pool: Pool, slots: Sequence[SlotRef]) -> bool:
+        return pool.pinned or bool(self.auto_pin_reasons(pool, slots))
+
+    def pin(self, pool: Pool, on: bool) -> None:
+        pool.pinned = on
+
+    def evict(self, pool: Pool, slots: Sequence[SlotRef]) -> None:
+        """Drop the pool's KV but keep the pool: the next attach or fork re-materializes it."""
+        if pool.residency == "materializing":
+            raise PoolError(409, f"pool {pool.label!r} is still materializing")
+        if pool.residency == "evicted":
+            return
+        if pool.pinned:
+            raise PoolError(409, f"pool {pool.label!r} is pinned; unpin it before evicting")
+        reasons = self.auto_pin_reasons(pool, slots)
+        if reasons:
+            raise PoolError(409, f"pool {pool.label!r} is in use: {'; '.join(reasons)}")
+        self._evict_now(pool)
+
+    def _evict_now(self, pool: Pool) -> None:
+        if pool.seq_id is not None:
+            self.kv.clear(pool.seq_id)
+        self.tree.give_back_seq(pool)
+        pool.residency = "evicted"
+        pool.n_materialized = 0
+        log.info("pool %s: evicted", pool.label)
+
+    def flush_plan(self, pool: Pool, slots: Sequence[SlotRef]) -> tuple[list[Pool], list[SlotRef]]:
+        """Pools (leaves first) and idle sessions a flush of ``pool``'s subtree would drop."""
+        subtree = [pool, *self.tree.descendants(pool)]
+        pinned = [p.label for p in subtree if p.pinned]
+        if pinned:
+            raise PoolError(409, f"cannot flush: pinned pools in the subtree: {', '.join(pinned)}")
+        if any(p.residency == "materializing" for p in subtree):
+            raise PoolError(409, "cannot flush while a pool in the subtree is materializing")
+        ids = {p.pool_id for p in subtree}
+        attached = [s for s in slots if s.pool_id in ids]
+        busy = [s for s in attached if s.state != "idle"]
+        if busy:
+            names = ", ".join(str(s.session_id or f"slot {s.slot_id}") for s in busy)
+            raise PoolError(409, f"cannot flush: sessions are running in the subtree: {names}")
+        return list(reversed(subtree)), attached
+
+    def flush(self, pools: list[Pool]) -> None:
+        for p in pools:
+            if p.residency != "evicted":
+                self._evict_now(p)
+
+    def release(self, pool: Pool) -> None:
+        """Remove the pool. Sessions still holding its cells keep them (refcounted cells)."""
+        self.tree.check_removable(pool)
+        for build in list(self.builds):
+            if build.pool is pool:
+                self.fail_build(build, PoolError(409, f"pool {pool.label!r} was released"))
+                return
+        if pool.seq_id is not None:
+            self.kv.clear(pool.seq_id)
+        self.tree.remove(pool)
+        log.info("pool %s: released", pool.label)
+
+    def reclaimable(self, slots: Sequence[SlotRef], now: float) -> list[Pool]:
+        """Pools the engine may evict under KV pressure: unpinned, unused, past the grace TTL."""
+        return sorted(
+            (
+                p
+                for p in self.tree.pools.values()
+                if p.residency == "resident"
+                and not self.is_pinned(p, slots)
+                and now - p.last_access_ts >= self.grace_s
+            ),
+            key=lambda p: p.last_access_ts,
+        )
+
+    # ------------------------------------------------------------------ status
+
+    def status(
+        self, slots: Sequence[SlotRef], boot_id: str, n_ctx: int, measured: int | None
+    ) -> PoolList:
+        model = self.kv.model
+        order: list[tuple[object, int, int]] = [
+            (("pool", p.pool_id), p.seq_id, p.branch_pos)
+            for p in self.tree.parents_first()
+            if p.seq_id is not None
+        ]
+        order += [(("slot", s.slot_id), s.slot_id, 0) for s in slots]
+        owned = model.owners(order)
+        bpt = self.bpt
+
+        def session(s: SlotRef, pool: Pool | None) -> PoolSession:
+            shared = (
+                model.common_cells(s.slot_id, pool.seq_id)
+                if pool is not None and pool.seq_id is not None
+                else 0
+            )
+            return PoolSession(
+                session_id=s.session_id,
+                slot=s.slot_id,
+                shared_prefix_tokens=shared,
+                suffix_n_tokens=s.n_tokens - shared,
+                marginal_kv_bytes=owned.get(("slot", s.slot_id), 0) * bpt,
+                tps_ewma=s.tps_ewma,
+                state=s.state,
+            )
+
+        statuses: dict[int, PoolStatus] = {}
+        for pool in reversed(list(self.tree.parents_first())):  # children before parents
+            attached = [session(s, pool) for s in self.sessions_of(pool, slots)]
+            own = owned.get(("pool", pool.pool_id), 0) * bpt
+            subtree = own + sum(a.marginal_kv_bytes for a in attached)
+            subtree += sum(statuses[c].subtree_kv_bytes for c in pool.children)
+            parent = self.tree.pools.get(pool.parent_id) if pool.parent_id is not None else None
+            pinned = self.is_pinned(pool, slots)
+            statuses[pool.pool_id] = PoolStatus(
+                pool_id=pool.pool_id,
+                name=pool.name,
+                parent=pool.parent_id,
+                parent_name=parent.name if parent else None,
+                branch_pos=pool.branch_pos,
+                prefix_len=pool.prefix_len,
+                prefix_hash=pool.prefix_hash,
+                own_kv_bytes=own,
+                subtree_kv_bytes=subtree,
+                residency=pool.residency,
+                pinned=pinned,
+                pinned_explicit=pool.pinned,
+                orphaned_pin=pool.pinned and not attached and not pool.children,
+                created_ts=pool.created_ts,
+                last_access_ts=pool.last_access_ts,
+                depth=self.tree.depth(pool),
+                path=self._path(pool),
+                children=sorted(pool.children),
+                sessions=attached,
+                seq_id=pool.seq_id,
+            )
+        ordered = [statuses[p.pool_id] for p in self.tree.parents_first()]
+        unpooled = [
+            session(s, None)
+            for s in slots
+            if s.pool_id is None and owned.get(("slot", s.slot_id), 0) > 0
+        ]
+        n_slots = len(slots)
+        return PoolList(
+            boot_id=boot_id,
+            pools=ordered,
+            tree_depth=max((s.depth for s in ordered), default=-1) + 1,
+            seq_ids_used=n_slots + self.tree.seq_ids_used,
+            seq_ids_max=n_slots + len(self.tree.seq_ids),
+            kv_cells_used=model.used,
+            kv_cells_total=n_ctx,
+            kv_bytes_per_token=bpt,
+            kv_bytes_used=model.used * bpt,
+            unpooled_sessions=unpooled,
+            kv_cells_measured=measured,
+        )
+
+    def _path(self, pool: Pool) -> str:
+        parts = [pool.label]
+        while pool.parent_id is not None:
+            pool = self.tree.pools[pool.parent_id]
+            parts.append(pool.label)
+        return "/".join(reversed(parts))

@@ -1,0 +1,168 @@
+"""``/polykv/pools`` routes: create, fork, pin/unpin/evict/flush, release, status.
+
+Mutating routes need the admin key (``--polykv-admin-key``, else ``--api-key``). Every route
+that takes a pool id also takes the pool's name: ids are per replica, names are not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from polykv_api.models import PoolCreated, PoolCreateRequest, PoolForkRequest, PoolPrefix
+
+from . import engine_pools
+from .context import AppContext, ctx_of
+from .engine import Engine
+from .http_errors import ApiError
+from .pool_manager import PoolSpec
+from .pooltree import Pool, PoolError, validate_name
+from .routes_inference import parse
+from .server_auth import require_admin
+
+T = TypeVar("T")
+
+
+def _api_error(exc: PoolError) -> ApiError:
+    return ApiError(exc.status, exc.message, exc.type)
+
+
+async def on_engine(ctx: AppContext, fn: Callable[[Engine], T]) -> T:
+    """Run ``fn`` on the engine thread; a PoolError becomes the matching HTTP error."""
+    ctx.require_ready()
+    try:
+        return await asyncio.wrap_future(ctx.engine.call(fn))
+    except PoolError as exc:
+        raise _api_error(exc) from exc
+
+
+def _ref(request: web.Request) -> int | str:
+    raw = request.match_info["pool"]
+    return int(raw) if raw.isdigit() else raw
+
+
+def _prefix_tokens(ctx: AppContext, req: PoolPrefix) -> list[int] | None:
+    rt = ctx.rt
+    if req.tokens is not None:
+        bad = [t for t in req.tokens if not rt.valid_token(t)]
+        if bad:
+            raise ApiError(
+                400, f"tokens: ids outside the vocabulary (n_vocab={rt.info.n_vocab}): {bad[:8]}"
+            )
+        tokens = list(req.tokens)
+    elif req.prompt is not None:
+        tokens = rt.tokenize(req.prompt, add_special=True, parse_special=True)
+    elif req.messages is not None:
+        text = ctx.render_messages(req.messages, req.tools, add_generation_prompt=False)
+        tokens = rt.tokenize(text, add_special=True, parse_special=True)
+    else:
+        return None  # from_session: the engine reads the session's tokens
+    return ctx.check_prompt_fits(tokens)
+
+
+async def _create(request: web.Request, req: PoolPrefix, parent: int | str | None) -> web.Response:
+    ctx = ctx_of(request)
+    if req.name is not None:
+        try:
+            validate_name(req.name)
+        except PoolError as exc:
+            raise _api_error(exc) from exc
+    spec = PoolSpec(
+        tokens=_prefix_tokens(ctx, req),
+        from_session=req.from_session,
+        name=req.name,
+        pin=req.pin,
+        dry_run=req.dry_run,
+        parent=parent,
+        branch_pos=getattr(req, "branch_pos", None),
+    )
+    result = await on_engine(ctx, lambda e: engine_pools.create(e, spec))
+    if isinstance(result, Pool):  # dry run: what would be created
+        body = PoolCreated(
+            created=False,
+            dry_run=True,
+            prefix_len=result.prefix_len,
+            branch_pos=result.branch_pos,
+            prefix_hash=result.prefix_hash,
+            boot_id=ctx.boot_id,
+        )
+        return web.json_response(body.model_dump())
+    try:
+        await asyncio.wrap_future(result.ready)
+    except PoolError as exc:
+        raise _api_error(exc) from exc
+    pool_id = result.pool.pool_id
+    listing = await on_engine(ctx, lambda e: engine_pools.listing(e, ctx.boot_id, pool_id))
+    status = listing.pools[0]
+    body = PoolCreated(
+        created=result.created,
+        pool=status,
+        pool_id=status.pool_id,
+        prefix_len=status.prefix_len,
+        branch_pos=status.branch_pos,
+        prefix_hash=status.prefix_hash,
+        boot_id=ctx.boot_id,
+    )
+    return web.json_response(body.model_dump(), status=201 if result.created else 200)
+
+
+async def create_pool(request: web.Request) -> web.Response:
+    require_admin(request)
+    req = await parse(request, PoolCreateRequest)
+    return await _create(request, req, None)
+
+
+async def fork_pool(request: web.Request) -> web.Response:
+    require_admin(request)
+    req = await parse(request, PoolForkRequest)
+    return await _create(request, req, _ref(request))
+
+
+def _action(name: engine_pools.Action) -> Callable[[web.Request], Any]:
+    async def handler(request: web.Request) -> web.Response:
+        require_admin(request)
+        ctx = ctx_of(request)
+        ref = _ref(request)
+        await on_engine(ctx, lambda e: engine_pools.act(e, ref, name))
+        listing = await on_engine(ctx, lambda e: engine_pools.listing(e, ctx.boot_id, ref))
+        return web.json_response(listing.pools[0].model_dump())
+
+    handler.__name__ = f"{name}_pool"
+    return handler
+
+
+async def release_pool(request: web.Request) -> web.Response:
+    require_admin(request)
+    ctx = ctx_of(request)
+    ref = _ref(request)
+    pool_id = await on_engine(ctx, lambda e: engine_pools.release(e, ref))
+    return web.json_response({"released": pool_id, "boot_id": ctx.boot_id})
+
+
+async def list_pools(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    listing = await on_engine(ctx, lambda e: engine_pools.listing(e, ctx.boot_id))
+    return web.json_response(listing.model_dump())
+
+
+async def get_pool(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    ref = _ref(request)
+    listing = await on_engine(ctx, lambda e: engine_pools.listing(e, ctx.boot_id, ref))
+    body = listing.pools[0].model_dump()
+    body["descendants"] = [p.model_dump() for p in listing.pools[1:]]
+    body["boot_id"] = ctx.boot_id
+    return web.json_response(body)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/polykv/pools", create_pool)
+    app.router.add_get("/polykv/pools", list_pools)
+    app.router.add_get("/polykv/pools/{pool}", get_pool)
+    app.router.add_delete("/polykv/pools/{pool}", release_pool)
+    app.router.add_post("/polykv/pools/{pool}/fork", fork_pool)
+    for action in ("pin", "unpin", "evict", "flush"):
+        app.router.add_post(f"/polykv/pools/{{pool}}/{action}", _action(action))
