@@ -6,7 +6,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup demo test lint typecheck pytest models bench clean
+.PHONY: setup demo test lint typecheck pytest models bench clean e2e-bins
 
 setup:
 	@scripts/setup.sh
@@ -24,7 +24,11 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-pytest: setup models
+# The local Kubernetes control plane for tests/e2e (cached; cold build ~10-15 min).
+e2e-bins:
+	@scripts/build-k8s.sh >/dev/null
+
+pytest: setup models e2e-bins
 	$(VENV)/bin/pytest
 
 test: lint typecheck pytest

@@ -1,0 +1,109 @@
+"""pytest fixtures over the harness. Import them in a conftest.py:
+
+    from polykv_testenv.fixtures import (
+        k8s_cluster, namespace, process_node, pytest_runtest_makereport, run_operator,
+    )
+
+Session scope holds one control plane and one process node; `namespace` is fresh per test.
+Fixtures are per conftest directory, so tests that must share one cluster live under one
+conftest (tests/e2e/), or the import moves to tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import operator as op
+from .controlplane import ControlPlane
+from .node import ProcessNode
+
+__all__ = [
+    "k8s_cluster",
+    "namespace",
+    "process_node",
+    "pytest_runtest_makereport",
+    "run_operator",
+]
+
+
+@pytest.fixture(scope="session")
+def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """etcd + kube-apiserver + kube-controller-manager + kube-scheduler on loopback.
+    KUBECONFIG points at it for the session (kopf and kubernetes clients read it)."""
+    cluster = ControlPlane(tmp_path_factory.mktemp("k8s") / "cluster")
+    cluster.start()
+    old = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
+    try:
+        yield cluster
+    finally:
+        if old is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = old
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def process_node(
+    k8s_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessNode]:
+    node = ProcessNode(k8s_cluster.credentials, tmp_path_factory.mktemp("node"))
+    node.start()
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+@pytest.fixture
+def namespace(k8s_cluster: ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    k8s_cluster.api.create(
+        "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    )
+    yield name
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        # Shown under the failed test: what the cluster looked like.
+        for args in (("get", "all,events", "-o", "wide"), ("describe", "pods")):
+            out = k8s_cluster.kubectl(*args, "-n", name, check=False)
+            print(f"$ kubectl {' '.join(args)} -n {name}\n{out.stdout}{out.stderr}")
+        print(f"component logs: {k8s_cluster.log_dir}")
+    # No wait: the namespace controller finishes the job while other tests run.
+    k8s_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    # Lets `namespace` see whether the test body failed.
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
+@pytest.fixture
+def run_operator(
+    k8s_cluster: ControlPlane, namespace: str, tmp_path: Path
+) -> Callable[..., contextlib.AbstractContextManager[Any]]:
+    """`with run_operator("polykv_operator.handlers") as runner:` runs kopf in this process
+    (a KopfRunner) watching the test's namespace; `in_process=False` gives an
+    OperatorProcess instead (kill() it to test crash recovery)."""
+
+    def start(
+        target: str | Path, *, in_process: bool = True, all_namespaces: bool = False
+    ) -> contextlib.AbstractContextManager[Any]:
+        ns = None if all_namespaces else namespace
+        if in_process:
+            runner: contextlib.AbstractContextManager[Any] = op.in_process(target, ns)
+            return runner
+        return op.OperatorProcess(k8s_cluster, target, ns, tmp_path / "operator.log")
+
+    return start

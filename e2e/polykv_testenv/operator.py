@@ -1,0 +1,79 @@
+"""Running a kopf operator against the local cluster, in this process or as a child.
+
+In-process (kopf.testing.KopfRunner) is quicker and shows the operator's exceptions in the
+test; a subprocess is what a fault test needs (SIGKILL it mid-reconcile, start it again).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from .controlplane import ControlPlane
+from .procs import ManagedProcess
+
+
+def kopf_args(target: str | Path, namespace: str | None, extra: Sequence[str] = ()) -> list[str]:
+    """`kopf run` arguments. `target` is a module name (`polykv_operator.handlers`) or a
+    path to a .py file. --standalone: no peering objects, so no peering CRD is needed."""
+    args = ["run", "--standalone", "--verbose"]
+    args += ["--namespace", namespace] if namespace else ["--all-namespaces"]
+    if isinstance(target, Path) or str(target).endswith(".py"):
+        args.append(str(target))
+    else:
+        args += ["-m", str(target)]
+    return [*args, *extra]
+
+
+def in_process(
+    target: str | Path, namespace: str | None, timeout_s: float = 60, **kwargs: Any
+) -> Any:
+    """A kopf.testing.KopfRunner; use it as a context manager. KUBECONFIG must point at the
+    cluster in os.environ (the session fixture sets it)."""
+    from kopf.testing import KopfRunner
+
+    return KopfRunner(kopf_args(target, namespace), timeout=timeout_s, **kwargs)
+
+
+class OperatorProcess:
+    """`python -m kopf run ...` as a child process, logging to `log_path`."""
+
+    def __init__(
+        self,
+        cluster: ControlPlane,
+        target: str | Path,
+        namespace: str | None,
+        log_path: Path,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        env = cluster.tool_env() | (extra_env or {})
+        argv = [sys.executable, "-m", "kopf", *kopf_args(target, namespace)]
+        self.proc = ManagedProcess("operator", argv, log_path, env=env)
+
+    def start(self) -> OperatorProcess:
+        self.proc.start()
+        return self
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        return self.proc.stop(grace_s)
+
+    def kill(self) -> None:
+        """SIGKILL, no cleanup: for crash-recovery tests."""
+        self.proc.kill()
+
+    def log(self) -> str:
+        return self.proc.log_path.read_text(errors="replace")
+
+    def __enter__(self) -> OperatorProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,159 @@
+"""Generated PKI for a loopback control plane: one CA, the API server's serving certificate,
+an admin client certificate and the service-account signing key."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+# The first address of --service-cluster-ip-range: in-cluster clients use it for
+# "kubernetes.default", so the serving certificate names it too.
+SERVICE_IP = "10.0.0.1"
+SERVICE_CIDR = "10.0.0.0/24"
+
+_VALIDITY = dt.timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca_cert: Path
+    ca_key: Path
+    serving_cert: Path
+    serving_key: Path
+    admin_cert: Path
+    admin_key: Path
+    sa_key: Path
+    sa_pub: Path
+
+
+def _name(cn: str, org: str | None = None) -> x509.Name:
+    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
+    if org:
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
+    return x509.Name(attrs)
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> None:
+    pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.TraditionalOpenSSL,
+        serialization.NoEncryption(),
+    )
+    path.write_bytes(pem)
+    path.chmod(0o600)
+
+
+def _write_cert(path: Path, cert: x509.Certificate) -> None:
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _issue(
+    subject: x509.Name,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: x509.Name,
+    issuer_key: ec.EllipticCurvePrivateKey,
+    *,
+    ca: bool = False,
+    usages: list[x509.ObjectIdentifier] | None = None,
+    sans: list[x509.GeneralName] | None = None,
+) -> x509.Certificate:
+    now = dt.datetime.now(dt.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + _VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=not ca,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=ca,
+                crl_sign=ca,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+    )
+    if usages:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def generate(directory: Path) -> Pki:
+    """Writes a fresh PKI into `directory` and returns the file paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    pki = Pki(
+        ca_cert=directory / "ca.crt",
+        ca_key=directory / "ca.key",
+        serving_cert=directory / "apiserver.crt",
+        serving_key=directory / "apiserver.key",
+        admin_cert=directory / "admin.crt",
+        admin_key=directory / "admin.key",
+        sa_key=directory / "sa.key",
+        sa_pub=directory / "sa.pub",
+    )
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = _name("polykv-dev-ca")
+    ca = _issue(ca_name, ca_key, ca_name, ca_key, ca=True)
+    _write_key(pki.ca_key, ca_key)
+    _write_cert(pki.ca_cert, ca)
+
+    serving_key = ec.generate_private_key(ec.SECP256R1())
+    dns = [
+        "localhost",
+        "kubernetes",
+        "kubernetes.default",
+        "kubernetes.default.svc",
+        "kubernetes.default.svc.cluster.local",
+    ]
+    sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
+    sans += [x509.IPAddress(ipaddress.ip_address(a)) for a in ("127.0.0.1", SERVICE_IP)]
+    serving = _issue(
+        _name("kube-apiserver"),
+        serving_key,
+        ca_name,
+        ca_key,
+        usages=[ExtendedKeyUsageOID.SERVER_AUTH],
+        sans=sans,
+    )
+    _write_key(pki.serving_key, serving_key)
+    _write_cert(pki.serving_cert, serving)
+
+    # Group system:masters is bound to cluster-admin and bypasses RBAC entirely.
+    admin_key = ec.generate_private_key(ec.SECP256R1())
+    admin = _issue(
+        _name("polykv-admin", "system:masters"),
+        admin_key,
+        ca_name,
+        ca_key,
+        usages=[ExtendedKeyUsageOID.CLIENT_AUTH],
+    )
+    _write_key(pki.admin_key, admin_key)
+    _write_cert(pki.admin_cert, admin)
+
+    # RSA: every service-account token verifier understands RS256.
+    sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    _write_key(pki.sa_key, sa_key)
+    pki.sa_pub.write_bytes(
+        sa_key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return pki
