@@ -68,3 +68,20 @@ def listing(e: Engine, boot_id: str, ref: int | str | None = None) -> PoolList:
     keep = {pool.pool_id, *(d.pool_id for d in e.pools.tree.descendants(pool))}
     full.pools = [p for p in full.pools if p.pool_id in keep]
     return full
+
+
+def erase_slot(e: Engine, slot_id: int) -> int:
+    """Drop an idle slot's cached tokens and its session binding; returns tokens erased."""
+    if not 0 <= slot_id < len(e.slots):
+        raise PoolError(404, f"slot {slot_id} does not exist", "not_found_error")
+    slot = e.slots[slot_id]
+    if slot.state != "idle":
+        raise PoolError(409, f"slot {slot_id} is processing a request")
+    n = len(slot.cache_tokens)
+    e.kv.clear(slot_id)
+    slot.cache_tokens.clear()
+    slot.pool_id = None
+    if slot.session_id is not None:
+        e.session_slot.pop(slot.session_id, None)
+        slot.session_id = None
+    return n

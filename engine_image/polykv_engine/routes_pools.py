@@ -158,7 +158,26 @@ async def get_pool(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
+async def slot_action(request: web.Request) -> web.Response:
+    """llama-server's ``POST /slots/{id}?action=erase``; save/restore are not supported."""
+    require_admin(request)
+    ctx = ctx_of(request)
+    raw = request.match_info["slot"]
+    if not raw.isdigit():
+        raise ApiError(400, f"slot id must be an integer, got {raw!r}")
+    action = request.query.get("action")
+    if action != "erase":
+        raise ApiError(
+            501 if action in ("save", "restore") else 400,
+            f"unsupported slot action {action!r}; supported: erase",
+        )
+    slot_id = int(raw)
+    n = await on_engine(ctx, lambda e: engine_pools.erase_slot(e, slot_id))
+    return web.json_response({"id_slot": slot_id, "n_erased": n})
+
+
 def add_routes(app: web.Application) -> None:
+    app.router.add_post("/slots/{slot}", slot_action)
     app.router.add_post("/polykv/pools", create_pool)
     app.router.add_get("/polykv/pools", list_pools)
     app.router.add_get("/polykv/pools/{pool}", get_pool)

@@ -4,9 +4,10 @@ Order of preference, as a demanding agent framework expects:
 1. a request whose session is bound to a slot goes back to that slot (its KV is there) and
    waits for it if that slot is busy;
 2. an explicit ``id_slot`` waits for that slot;
-3. otherwise the idle slot whose cached tokens share the longest prefix with the prompt
-   (llama-server's prompt-cache reuse), then a slot no session owns, then the least recently
-   used one.
+3. otherwise an idle slot no session owns (another session's cache is its next turn's
+   speed-up: taken only when nothing else is free, least recently used first), then the one
+   whose cached tokens share the longest prefix with the prompt (llama-server's prompt-cache
+   reuse), then the least recently used one.
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ def choose_slot(
         return session_slot if slots[session_slot].idle else None
     if id_slot >= 0:
         return id_slot if slots[id_slot].idle else None
-    best: tuple[int, bool, float] | None = None
+    best: tuple[bool, int, float] | None = None
     chosen: int | None = None
     for s in slots:
         if not s.idle:
             continue
-        lcp = common_prefix_len(s.cache_tokens, prompt) if cache_prompt else 0
-        key = (lcp, s.session_id is None, -s.last_used)
+        free = s.session_id is None
+        lcp = common_prefix_len(s.cache_tokens, prompt) if cache_prompt and free else 0
+        key = (free, lcp, -s.last_used)
         if best is None or key > best:
             best, chosen = key, s.slot_id
     return chosen

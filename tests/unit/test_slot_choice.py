@@ -35,6 +35,13 @@ def test_longest_cached_prefix_wins() -> None:
     assert choose_slot(slots, [1, 2, 3, 9], None, -1, cache_prompt=True) == 1
 
 
+def test_a_free_slot_beats_another_sessions_longer_cache() -> None:
+    slots = [slot(0, session="other", cache=[1, 2, 3]), slot(1, cache=[9])]
+    assert choose_slot(slots, [1, 2, 3, 4], None, -1, cache_prompt=True) == 1
+    slots = [slot(0, session="other", cache=[1, 2, 3]), slot(1, idle=False)]
+    assert choose_slot(slots, [1, 2, 3, 4], None, -1, cache_prompt=True) == 0
+
+
 def test_without_cache_reuse_prefer_unowned_then_least_recent() -> None:
     slots = [slot(0, session="s", used=1.0), slot(1, used=5.0), slot(2, used=2.0)]
     assert choose_slot(slots, [1], None, -1, cache_prompt=False) == 2
