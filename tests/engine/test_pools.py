@@ -122,8 +122,8 @@ def test_fork_contract_violations_change_nothing(pc: httpx.Client) -> None:
     bad = list(toks)
     bad[5] = (bad[5] + 1) % 200
     cases = [
-        ({"tokens": bad + [1, 2], "branch_pos": 20}, "at position 5"),
-        ({"tokens": toks + [1], "branch_pos": root["prefix_len"] + 3}, "beyond the end"),
+        ({"tokens": [*bad, 1, 2], "branch_pos": 20}, "at position 5"),
+        ({"tokens": [*toks, 1], "branch_pos": root["prefix_len"] + 3}, "beyond the end"),
         ({"tokens": [7, 8, 9]}, "shares no tokens"),
     ]
     for body, needle in cases:
@@ -302,7 +302,7 @@ def test_dry_run_reports_without_creating(pc: httpx.Client) -> None:
         headers=ADMIN,
     )
     body = r.json()
-    assert r.status_code == 200 and body["dry_run"] is True and 0 < body["branch_pos"]
+    assert r.status_code == 200 and body["dry_run"] is True and body["branch_pos"] > 0
     assert len(listing(pc)["pools"]) == 1
 
 
