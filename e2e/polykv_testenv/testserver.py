@@ -3,7 +3,8 @@
 GET /health      200 once --ready-after has passed, 503 before
 GET /            JSON: hostname, pid, listen address, argv
 GET /env/NAME    the value of an environment variable (404 if unset)
-GET /file/PATH   the content of a local file (to check volume resolution)
+GET /file/PATH   the content of a local file
+GET /served      the content of --serve-file (a path argument: volume resolution)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--ready-after", type=float, default=0.0, help="seconds of 503 on /health")
     p.add_argument("--ignore-sigterm", action="store_true", help="to exercise SIGKILL")
+    p.add_argument("--serve-file", type=Path, help="file served at /served")
     return p.parse_args(argv)
 
 
@@ -48,10 +50,13 @@ def main(argv: list[str] | None = None) -> None:
             elif self.path.startswith("/env/"):
                 value = os.environ.get(self.path[len("/env/") :])
                 self._send(404 if value is None else 200, {"value": value})
-            elif self.path.startswith("/file/"):
-                path = Path("/" + self.path[len("/file/") :].lstrip("/"))
+            elif self.path.startswith("/file/") or self.path == "/served":
+                if self.path == "/served":
+                    path = args.serve_file or Path("/nonexistent")
+                else:
+                    path = Path("/" + self.path[len("/file/") :].lstrip("/"))
                 try:
-                    self._send(200, {"content": path.read_text()})
+                    self._send(200, {"path": str(path), "content": path.read_text()})
                 except OSError as exc:
                     self._send(404, {"error": str(exc)})
             else:

@@ -29,6 +29,16 @@ def get_or_none(api: Kube, path: str) -> Obj | None:
         raise
 
 
+def fetch_if(api: Kube, path: str, pred: Callable[[Obj], object]) -> Obj | None:
+    """The object at `path` when `pred` holds for it (a probe for `eventually`)."""
+    obj = get_or_none(api, path)
+    return obj if obj is not None and pred(obj) else None
+
+
+def is_ready(obj: Obj) -> bool:
+    return condition(obj, "Ready") == "True"
+
+
 def gone(api: Kube, path: str) -> bool | None:
     return True if get_or_none(api, path) is None else None
 

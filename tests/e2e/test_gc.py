@@ -9,7 +9,7 @@ import pytest
 
 from polykv_testenv import ApiError, ControlPlane, Kube
 
-from .helpers import Obj, eventually, get_or_none, gone
+from .helpers import Obj, eventually, fetch_if, get_or_none, gone
 
 pytestmark = pytest.mark.k8s
 
@@ -98,10 +98,8 @@ def test_foreground_deletion_waits_for_dependents(
     eventually("unblocked dependent collected", lambda: gone(api, cm_path(namespace, "free")))
     held = eventually(
         "held dependent marked for deletion",
-        lambda: (
-            (d := get_or_none(api, cm_path(namespace, "held")))
-            and d["metadata"].get("deletionTimestamp")
-            and d
+        lambda: fetch_if(
+            api, cm_path(namespace, "held"), lambda d: d["metadata"].get("deletionTimestamp")
         ),
     )
     time.sleep(2)  # the owner must still be waiting for "held"

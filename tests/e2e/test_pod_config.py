@@ -1,0 +1,129 @@
+"""How the process node turns a pod spec into a process: env, volumes, exits, bad images."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from polykv_testenv import ControlPlane, ProcessNode
+
+from .helpers import Obj, eventually, fetch_if, is_ready, web_container
+
+pytestmark = pytest.mark.k8s
+
+
+def served(ip: str, path: str) -> Obj:
+    body: Obj = httpx.get(f"http://{ip}:8080{path}", timeout=5).json()
+    return body
+
+
+def test_env_and_volumes_resolve_to_local_values(
+    k8s_cluster: ControlPlane, process_node: ProcessNode, namespace: str, tmp_path: Path
+) -> None:
+    api = k8s_cluster.api
+    ns_api = f"/api/v1/namespaces/{namespace}"
+    api.create(f"{ns_api}/configmaps", {"metadata": {"name": "conf"}, "data": {"msg": "hello"}})
+    api.create(f"{ns_api}/secrets", {"metadata": {"name": "creds"}, "stringData": {"token": "t0k"}})
+    (tmp_path / "host.txt").write_text("from the host")
+
+    container = web_container("--serve-file", "/etc/conf/msg")
+    container["env"] = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {
+            "name": "TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}},
+        },
+        {"name": "GREETING", "value": "hi $(POD_NAME)"},
+        {"name": "HOST_FILE", "value": "/mnt/host/host.txt"},
+    ]
+    container["volumeMounts"] = [
+        {"name": "conf", "mountPath": "/etc/conf"},
+        {"name": "host", "mountPath": "/mnt/host"},
+        {"name": "scratch", "mountPath": "/scratch"},
+    ]
+    pod: Obj = {
+        "metadata": {"name": "configured"},
+        "spec": {
+            "containers": [container],
+            "volumes": [
+                {"name": "conf", "configMap": {"name": "conf"}},
+                {"name": "host", "hostPath": {"path": str(tmp_path)}},
+                {"name": "scratch", "emptyDir": {}},
+            ],
+        },
+    }
+    api.create(f"{ns_api}/pods", pod)
+    got = eventually("pod Ready", lambda: fetch_if(api, f"{ns_api}/pods/configured", is_ready))
+    ip = got["status"]["podIP"]
+
+    # The path argument now names the ConfigMap's file in a local directory.
+    file = served(ip, "/served")
+    assert file["content"] == "hello"
+    assert not file["path"].startswith("/etc/conf")
+    assert served(ip, "/env/POD_NAME")["value"] == "configured"
+    assert served(ip, "/env/POD_IP")["value"] == ip
+    assert served(ip, "/env/TOKEN")["value"] == "t0k"
+    assert served(ip, "/env/GREETING")["value"] == "hi configured"
+    host_file = served(ip, "/env/HOST_FILE")["value"]
+    assert host_file == str(tmp_path / "host.txt")
+    assert served(ip, f"/file{host_file}")["content"] == "from the host"
+
+
+def one_shot(name: str, code: int) -> Obj:
+    return {
+        "metadata": {"name": name},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "job",
+                    "image": "polykv/testserver:1",
+                    # `command` replaces the image's entrypoint, as with a real image.
+                    "command": ["python", "-c", f"raise SystemExit({code})"],
+                }
+            ],
+        },
+    }
+
+
+def test_run_to_completion_and_failure(
+    k8s_cluster: ControlPlane, process_node: ProcessNode, namespace: str
+) -> None:
+    api = k8s_cluster.api
+    pods = f"/api/v1/namespaces/{namespace}/pods"
+    api.create(pods, one_shot("ok", 0))
+    api.create(pods, one_shot("bad", 3))
+
+    def phase(name: str, want: str) -> Obj | None:
+        p = api.get(f"{pods}/{name}")
+        return p if p["status"].get("phase") == want else None
+
+    ok = eventually("ok Succeeded", lambda: phase("ok", "Succeeded"))
+    term = ok["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert term["exitCode"] == 0 and term["reason"] == "Completed"
+    bad = eventually("bad Failed", lambda: phase("bad", "Failed"))
+    term = bad["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert term["exitCode"] == 3 and term["reason"] == "Error"
+    assert bad["status"]["containerStatuses"][0]["restartCount"] == 0
+
+
+def test_unknown_image_waits_with_err_image_pull(
+    k8s_cluster: ControlPlane, process_node: ProcessNode, namespace: str
+) -> None:
+    api = k8s_cluster.api
+    pods = f"/api/v1/namespaces/{namespace}/pods"
+    api.create(
+        pods,
+        {"metadata": {"name": "nope"}, "spec": {"containers": [{"name": "c", "image": "nginx"}]}},
+    )
+
+    def waiting_reason() -> str | None:
+        statuses = api.get(f"{pods}/nope")["status"].get("containerStatuses") or []
+        waiting = statuses[0]["state"].get("waiting", {}) if statuses else {}
+        return waiting.get("reason") if waiting.get("reason") == "ErrImagePull" else None
+
+    assert eventually("ErrImagePull", waiting_reason) == "ErrImagePull"
+    assert api.get(f"{pods}/nope")["status"]["phase"] == "Pending"
