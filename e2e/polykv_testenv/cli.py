@@ -19,6 +19,7 @@ from typing import Any
 
 from . import daemon
 from .bins import REPO_ROOT, ensure_binaries
+from .cleanup import kill_leftovers
 from .kubeapi import Credentials, Kube
 from .procs import signal_group, wait_pid_gone
 
@@ -66,6 +67,9 @@ def up(dev_dir: Path, foreground: bool, timeout_s: float) -> int:
             return 0
         print(f"a daemon is starting or stuck; see {dev_dir / 'daemon.log'}", file=sys.stderr)
         return 1
+    stale = kill_leftovers(dev_dir)
+    if stale:
+        print(f"killed {stale} process(es) left by a previous daemon", file=sys.stderr)
     # Build (or find) the binaries here, so a cold build's progress shows in this terminal.
     bin_dir = ensure_binaries()
     if foreground:
@@ -103,15 +107,18 @@ def up(dev_dir: Path, foreground: bool, timeout_s: float) -> int:
 
 def down(dev_dir: Path) -> int:
     pid = _running_pid(dev_dir)
-    if pid is None:
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)
+        if not wait_pid_gone(pid, 90):
+            print(f"daemon {pid} did not stop in 90s; killing it", file=sys.stderr)
+            signal_group(pid, signal.SIGKILL)
+            wait_pid_gone(pid, 10)
+    # Whatever a crashed daemon left running (components, pods).
+    stale = kill_leftovers(dev_dir)
+    if pid is None and not stale:
         print("not running")
-        return 0
-    os.kill(pid, signal.SIGTERM)
-    if not wait_pid_gone(pid, 90):
-        print(f"daemon {pid} did not stop in 90s; killing its process group", file=sys.stderr)
-        signal_group(pid, signal.SIGKILL)
-        wait_pid_gone(pid, 10)
-    print("stopped")
+    else:
+        print("stopped" + (f" ({stale} leftover process(es) killed)" if stale else ""))
     return 0
 
 

@@ -28,6 +28,8 @@ def configure_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True
     )
+    # Every probe and status write is an HTTP request; httpx logs each one at INFO.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def serve(dev_dir: Path, bin_dir: Path | None) -> int:
