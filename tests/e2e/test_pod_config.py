@@ -127,3 +127,58 @@ def test_unknown_image_waits_with_err_image_pull(
 
     assert eventually("ErrImagePull", waiting_reason) == "ErrImagePull"
     assert api.get(f"{pods}/nope")["status"]["phase"] == "Pending"
+
+
+def test_init_container_runs_first_and_shares_an_empty_dir(
+    k8s_cluster: ControlPlane, process_node: ProcessNode, namespace: str
+) -> None:
+    api = k8s_cluster.api
+    main = web_container("--serve-file", "/shared/greeting")
+    main["volumeMounts"] = [{"name": "shared", "mountPath": "/shared"}]
+    pod: Obj = {
+        "metadata": {"name": "init"},
+        "spec": {
+            "initContainers": [
+                {
+                    "name": "prepare",
+                    "image": "polykv/testserver:1",
+                    "command": ["python", "-c"],
+                    # The mount path inside the script is rewritten like any argument.
+                    "args": ["open('/shared/greeting', 'w').write('prepared')"],
+                    "volumeMounts": [{"name": "shared", "mountPath": "/shared"}],
+                }
+            ],
+            "containers": [main],
+            "volumes": [{"name": "shared", "emptyDir": {}}],
+        },
+    }
+    path = f"/api/v1/namespaces/{namespace}/pods/init"
+    api.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+    got = eventually("pod Ready", lambda: fetch_if(api, path, is_ready))
+    init_state = got["status"]["initContainerStatuses"][0]["state"]["terminated"]
+    assert init_state["exitCode"] == 0
+    assert served(got["status"]["podIP"], "/served")["content"] == "prepared"
+
+
+def test_failing_liveness_probe_restarts_the_container(
+    k8s_cluster: ControlPlane, process_node: ProcessNode, namespace: str
+) -> None:
+    api = k8s_cluster.api
+    container = web_container()
+    container["livenessProbe"] = {
+        "httpGet": {"path": "/env/UNSET_VARIABLE", "port": "http"},  # 404
+        "periodSeconds": 1,
+        "failureThreshold": 2,
+    }
+    pod: Obj = {
+        "metadata": {"name": "unhealthy"},
+        "spec": {"terminationGracePeriodSeconds": 1, "containers": [container]},
+    }
+    path = f"/api/v1/namespaces/{namespace}/pods/unhealthy"
+    api.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+    got = eventually(
+        "restarted by the liveness probe",
+        lambda: fetch_if(api, path, lambda p: p["status"]["containerStatuses"][0]["restartCount"]),
+    )
+    last = got["status"]["containerStatuses"][0]["lastState"]["terminated"]
+    assert "Liveness probe failed" in last["message"]
