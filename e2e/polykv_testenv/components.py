@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .pki import SERVICE_CIDR, Pki
+from .pki import FRONT_PROXY_CN, SERVICE_CIDR, Pki
 
 # What the process node and the operator need, and nothing that expects a real kubelet,
 # cloud or network: node-lifecycle would taint our node whenever a heartbeat is late, and
@@ -79,6 +79,13 @@ def kube_apiserver(
         # Pods here run as local processes without mounted tokens; the plugin would also make
         # pod creation in a brand-new namespace race the serviceaccount controller.
         "--disable-admission-plugins=ServiceAccount",
+        f"--requestheader-client-ca-file={pki.front_proxy_ca}",
+        f"--requestheader-allowed-names={FRONT_PROXY_CN}",
+        "--requestheader-username-headers=X-Remote-User",
+        "--requestheader-group-headers=X-Remote-Group",
+        "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+        f"--proxy-client-cert-file={pki.front_proxy_cert}",
+        f"--proxy-client-key-file={pki.front_proxy_key}",
         "--profiling=false",
         f"--v={verbosity}",
     ]

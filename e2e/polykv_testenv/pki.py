@@ -17,6 +17,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 # "kubernetes.default", so the serving certificate names it too.
 SERVICE_IP = "10.0.0.1"
 SERVICE_CIDR = "10.0.0.0/24"
+FRONT_PROXY_CN = "front-proxy-client"
 
 _VALIDITY = dt.timedelta(days=365)
 
@@ -31,6 +32,9 @@ class Pki:
     admin_key: Path
     sa_key: Path
     sa_pub: Path
+    front_proxy_ca: Path
+    front_proxy_cert: Path
+    front_proxy_key: Path
 
 
 def _name(cn: str, org: str | None = None) -> x509.Name:
@@ -108,6 +112,9 @@ def generate(directory: Path) -> Pki:
         admin_key=directory / "admin.key",
         sa_key=directory / "sa.key",
         sa_pub=directory / "sa.pub",
+        front_proxy_ca=directory / "front-proxy-ca.crt",
+        front_proxy_cert=directory / "front-proxy-client.crt",
+        front_proxy_key=directory / "front-proxy-client.key",
     )
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = _name("polykv-dev-ca")
@@ -147,6 +154,22 @@ def generate(directory: Path) -> Pki:
     )
     _write_key(pki.admin_key, admin_key)
     _write_cert(pki.admin_cert, admin)
+
+    # The request-header (front proxy) CA: the controller manager and scheduler refuse
+    # to stop complaining without it, and aggregated APIs (metrics-server) need it.
+    fp_ca_key = ec.generate_private_key(ec.SECP256R1())
+    fp_ca_name = _name("polykv-dev-front-proxy-ca")
+    _write_cert(pki.front_proxy_ca, _issue(fp_ca_name, fp_ca_key, fp_ca_name, fp_ca_key, ca=True))
+    fp_key = ec.generate_private_key(ec.SECP256R1())
+    fp = _issue(
+        _name(FRONT_PROXY_CN),
+        fp_key,
+        fp_ca_name,
+        fp_ca_key,
+        usages=[ExtendedKeyUsageOID.CLIENT_AUTH],
+    )
+    _write_key(pki.front_proxy_key, fp_key)
+    _write_cert(pki.front_proxy_cert, fp)
 
     # RSA: every service-account token verifier understands RS256.
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)

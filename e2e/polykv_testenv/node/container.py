@@ -40,8 +40,8 @@ class Launch:
     image_id: str
 
 
-# Raised by a launcher: the container stays Waiting with this reason.
-LaunchError = (ConfigError, UnknownImage, FileNotFoundError, PermissionError)
+# Raised by a launcher: the container stays Waiting (retried every few seconds).
+LaunchError = (ConfigError, UnknownImage)
 
 Emit = Callable[[str, str, str], None]  # (event type, reason, message)
 
@@ -140,7 +140,19 @@ class ContainerRunner:
     def _start(self, now: float) -> None:
         try:
             launch = self.launcher()
-        except LaunchError as exc:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = self.log_dir / f"{self.restart_count}.log"
+            with log_path.open("ab") as out:
+                self.proc = subprocess.Popen(
+                    launch.argv,
+                    env=launch.env,
+                    cwd=launch.cwd,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # its own process group, killed as a whole
+                )
+        except (*LaunchError, OSError) as exc:
             reason = (
                 "ErrImagePull"
                 if isinstance(exc, UnknownImage)
@@ -154,18 +166,6 @@ class ContainerRunner:
             self.waiting = (reason, str(exc))
             self.next_start_at = now + 5.0
             return
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{self.restart_count}.log"
-        with log_path.open("ab") as out:
-            self.proc = subprocess.Popen(
-                launch.argv,
-                env=launch.env,
-                cwd=launch.cwd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # its own process group, killed as a whole
-            )
         self.image_id, self.env = launch.image_id, launch.env
         self.started_at, self.started_mono = now_iso(), now
         self.waiting, self.terminated = None, None
