@@ -1,7 +1,8 @@
 """pytest fixtures over the harness. Import them in a conftest.py:
 
     from polykv_testenv.fixtures import (
-        k8s_cluster, namespace, process_node, pytest_runtest_makereport, run_operator,
+        k8s_cluster, namespace, process_node, pytest_collection_modifyitems,
+        pytest_runtest_makereport, run_operator,
     )
 
 Session scope holds one control plane and one process node; `namespace` is fresh per test.
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 
 from . import operator as op
+from .bins import ensure_binaries
 from .controlplane import ControlPlane
 from .node import ProcessNode
 
@@ -28,9 +30,21 @@ __all__ = [
     "k8s_cluster",
     "namespace",
     "process_node",
+    "pytest_collection_modifyitems",
     "pytest_runtest_makereport",
     "run_operator",
 ]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Builds (or finds) the binaries before any test runs when a `k8s` test is selected:
+    a cold build takes minutes and must not count against a test's timeout. Its progress
+    goes straight to the terminal."""
+    if not any(item.get_closest_marker("k8s") for item in items):
+        return
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        ensure_binaries()
 
 
 @pytest.fixture(scope="session")

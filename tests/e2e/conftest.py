@@ -4,6 +4,7 @@ from polykv_testenv.fixtures import (
     k8s_cluster,
     namespace,
     process_node,
+    pytest_collection_modifyitems,
     pytest_runtest_makereport,
     run_operator,
 )
@@ -12,6 +13,7 @@ __all__ = [
     "k8s_cluster",
     "namespace",
     "process_node",
+    "pytest_collection_modifyitems",
     "pytest_runtest_makereport",
     "run_operator",
 ]
