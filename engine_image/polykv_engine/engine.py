@@ -435,6 +435,7 @@ class Engine:
         while True:
             self._build_batch(batch)
             if batch.n == 0:
+                self.pools.after_decode()  # builds with nothing to prefill (L == D) finish
                 return
             td = time.perf_counter()
             try:

@@ -64,6 +64,16 @@ class CreateResult:
     ready: concurrent.futures.Future[None]
 
 
+def _settle(fut: concurrent.futures.Future[None], error: BaseException | None = None) -> None:
+    """Complete a waiter unless its HTTP client already gave up (cancelled it)."""
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+
+
 class PoolManager:
     def __init__(
         self,
@@ -97,6 +107,8 @@ class PoolManager:
         planned.pinned = spec.pin
         if spec.dry_run:
             return planned
+        if parent is not None and parent.residency == "evicted":
+            self.ensure_resident(parent)  # the child's build waits for the parent's
         pool = self.tree.add(planned)
         if src_slot is not None:
             # Snapshot of a live session: its cells already hold [0, L). Share them.
@@ -184,7 +196,7 @@ class PoolManager:
                 build.started = True
             n = min(pool.prefix_len - pool.n_materialized, budget)
             if n <= 0:
-                continue
+                continue  # nothing of its own to prefill (L == D): after_decode finishes it
             chunk = pool.tokens[pool.n_materialized : pool.n_materialized + n]
             batch.add_span(chunk, pool.n_materialized, pool.seq_id, logits_last=False)
             build.batch_tokens = n
@@ -207,7 +219,7 @@ class PoolManager:
                 self.builds.remove(build)
                 log.info("pool %s: resident (%d tokens)", pool.label, pool.prefix_len)
                 for fut in build.waiters:
-                    fut.set_result(None)
+                    _settle(fut)
         return total
 
     def builds_in_batch(self) -> list[Build]:
@@ -232,7 +244,7 @@ class PoolManager:
                 self.kv.clear(pool.seq_id)
             self.tree.remove(pool)
         for fut in build.waiters:
-            fut.set_exception(error)
+            _settle(fut, error)
 
     # ------------------------------------------------------------------ retention
 
