@@ -89,7 +89,8 @@ class PathRewriter:
     """Replaces mount paths that appear as whole path prefixes, longest first."""
 
     def __init__(self, mounts: Mapping[str, Path]) -> None:
-        self.mounts = dict(mounts)
+        # A volume at "/" would match every absolute path; nothing sensible mounts there.
+        self.mounts = {p: local for p, local in mounts.items() if p != "/"}
         paths = sorted(self.mounts, key=len, reverse=True)
         self._re = (
             re.compile(
