@@ -118,6 +118,12 @@ def pod_status(
         "startTime": start_time,
         "containerStatuses": [c.status() for c in main],
     }
+    generation = pod["metadata"].get("generation")
+    if generation is not None:
+        # As the kubelet does since PodObservedGenerationTracking (beta in 1.34).
+        status["observedGeneration"] = generation
+        for cond in conditions:
+            cond["observedGeneration"] = generation
     if pod_ip:
         status["podIP"] = pod_ip
         status["podIPs"] = [{"ip": pod_ip}]
