@@ -335,6 +335,7 @@ class PoolStatus(BaseModel):
     children: list[int]
     sessions: list[PoolSession]
     seq_id: int | None
+    admission: AdmissionPolicy | None = None
 
 
 class PoolList(BaseModel):
@@ -366,3 +367,43 @@ class PoolCreated(BaseModel):
     branch_pos: int
     prefix_hash: str
     boot_id: str
+
+
+# --------------------------------------------------------------------------- admission
+
+
+class AdmissionPolicy(_Request):
+    """``POST /polykv/pools/{id}/admission``: a per-pool tps floor (spec §4.4, §14)."""
+
+    target_tps_per_session: float = Field(gt=0, description="the floor for mean experienced tps")
+    mode: Literal["advisory", "enforced"] = "advisory"
+    on_saturation: Literal["reject", "warn", "queue"] = "reject"
+    guarantee_min_sessions: int = Field(1, ge=0, description="always admit up to this many")
+    settle_tokens: int = Field(48, ge=1, description="tokens the last admit decodes to settle")
+    settle_max_ms: int = Field(5000, ge=1, le=600_000)
+    queue_max_ms: int = Field(30_000, ge=1, le=600_000, description="longest a queued attach waits")
+
+
+class CapacityReport(BaseModel):
+    """``GET /polykv/pools/{id}/capacity[?expected_tokens=N&session_id=S]``."""
+
+    pool_id: int
+    can_admit: bool
+    reason: str
+    projected_mean_tps_if_admitted: float | None
+    projected_mean_tps_model: float | None
+    projected_mean_tps_measured: float | None
+    projected_idle_estimate: bool
+    drop_per_admit_ewma: float | None
+    headroom_sessions: int
+    kv_headroom_pct: float
+    settling: bool
+    settle_remaining_ms: float
+    n_warming: int
+    n_active: int
+    mean_active_tps: float
+    n_pool_sessions: int
+    guaranteed: bool
+    known_session: bool
+    compaction_pressure: float
+    policy: AdmissionPolicy | None

@@ -12,6 +12,7 @@ from polykv_api.models import ChatCompletionRequest, ChatMessage, PromptPart
 
 from .chat import ChatRenderer, ChatTemplateError
 from .engine import Engine
+from .gate import AdmissionGate
 from .http_errors import ApiError
 from .runtime import LlamaRuntime
 
@@ -35,6 +36,7 @@ class AppContext:
     settings: ServerSettings
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     draining: bool = False
+    gate: AdmissionGate | None = None
     _renderer: ChatRenderer | None = None
 
     @property

@@ -31,7 +31,7 @@ from .pool_manager import PoolManager, SlotRef
 from .pooltree import Pool, PoolError
 from .runtime import Batch, LlamaError, LlamaRuntime, RuntimeConfig, Sampler
 from .slot_choice import SlotView, choose_slot, common_prefix_len
-from .snapshot import Counters, EngineSnapshot, SlotSnapshot, SlotState
+from .snapshot import Counters, EngineSnapshot, PoolSnapshot, SlotSnapshot, SlotState
 from .tasks import DoneEvent, ErrorEvent, GenerateTask, GenerationResult, StopType, TokenEvent
 from .textstream import TextAssembler
 from .tps import SessionRate, ThroughputRate
@@ -64,6 +64,7 @@ class Slot:
     cache_tokens: list[int] = field(default_factory=list)  # exactly what is in KV for this seq
     session_id: str | None = None
     pool_id: int | None = None  # the pool whose cells this slot's sequence starts with
+    shared_prefix: int = 0  # how many leading cells are that pool's
     last_used: float = 0.0
     task: GenerateTask | None = None
     sampler: Sampler | None = None
@@ -381,6 +382,7 @@ class Engine:
         self._update_pool_link(slot, task.pool)
         if task.pool is not None and task.pool.seq_id is not None:
             task.shared_prefix = self.kv.model.common_cells(slot.slot_id, task.pool.seq_id)
+        slot.shared_prefix = task.shared_prefix if slot.pool_id is not None else 0
         sampling = task.sampling.resolved()
         slot.sampler = self.rt.new_sampler(sampling)
         if sampling.has_penalties:
@@ -716,8 +718,17 @@ class Engine:
                 tps_ewma=s.rate.tps,
                 warming=s.rate.warming,
                 last_used=s.last_used,
+                shared_prefix=s.shared_prefix if s.pool_id is not None else 0,
             )
             for s in self.slots
+        )
+        pools = (
+            tuple(
+                PoolSnapshot(p.pool_id, p.name, p.prefix_len, p.residency, p.admission)
+                for p in self._pools.tree.pools.values()
+            )
+            if self._pools is not None
+            else ()
         )
         rt = self.runtime
         self.snapshot = EngineSnapshot(
@@ -729,7 +740,8 @@ class Engine:
             prefill_tps=self._prefill_rate.rate(now),
             kv_cells_used=self._kv.used if self._kv is not None else 0,
             kv_cells_total=rt.n_ctx if rt else 0,
-            n_pools=len(self._pools.tree.pools) if self._pools is not None else 0,
+            n_pools=len(pools),
+            pools=pools,
             counters=self._counters,
         )
 

@@ -10,6 +10,7 @@ from typing import Literal
 
 from polykv_api.models import PoolList
 
+from .admission import Policy
 from .engine import Engine
 from .pool_manager import CreateResult, PoolSpec
 from .pooltree import Pool, PoolError
@@ -85,3 +86,8 @@ def erase_slot(e: Engine, slot_id: int) -> int:
         e.session_slot.pop(slot.session_id, None)
         slot.session_id = None
     return n
+
+
+def set_admission(e: Engine, ref: int | str, policy: Policy | None) -> None:
+    _enabled(e)
+    e.pools.tree.resolve(ref).admission = policy

@@ -9,12 +9,13 @@ prefills ``[D, L)``. Engine thread only.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from polykv_api.models import PoolList, PoolSession, PoolStatus
+from polykv_api.models import AdmissionPolicy, PoolList, PoolSession, PoolStatus
 
 from .kvcache import KVCache
 from .pooltree import Pool, PoolError, PoolTree
@@ -397,6 +398,11 @@ class PoolManager:
                 children=sorted(pool.children),
                 sessions=attached,
                 seq_id=pool.seq_id,
+                admission=(
+                    AdmissionPolicy(**dataclasses.asdict(pool.admission))
+                    if pool.admission
+                    else None
+                ),
             )
         ordered = [statuses[p.pool_id] for p in self.tree.parents_first()]
         unpooled = [

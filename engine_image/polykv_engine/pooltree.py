@@ -19,6 +19,8 @@ from typing import Literal
 
 import xxhash
 
+from .admission import Policy
+
 Residency = Literal["materializing", "resident", "evicted"]
 
 NAME_RE = re.compile(r"^(?=.*[^0-9])[A-Za-z0-9][A-Za-z0-9._:-]{0,252}$")
@@ -82,6 +84,7 @@ class Pool:
     created_ts: float = field(default_factory=time.time)
     last_access_ts: float = field(default_factory=time.time)
     n_materialized: int = 0  # positions of the pool's sequence that are in KV
+    admission: Policy | None = None
 
     @property
     def prefix_len(self) -> int:

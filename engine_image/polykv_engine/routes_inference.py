@@ -119,23 +119,30 @@ async def _run(
 ) -> web.StreamResponse:
     if ctx.draining:
         raise ApiError(503, "server is shutting down", headers={"Retry-After": "5"})
+    assert ctx.gate is not None
+    extra_headers = await ctx.gate.admit(task, req.overcommit)
     ctx.engine.submit(task)
     done = False
     try:
         if req.stream:
-            resp = await _stream(request, req, task, sink, builder, include_usage)
+            resp = await _stream(request, req, task, sink, builder, include_usage, extra_headers)
         else:
-            resp = await _whole(req, task, sink, builder)
+            resp = await _whole(req, task, sink, builder, extra_headers)
         done = True
         return resp
     finally:
+        ctx.gate.finished(task)
         if not done:
             # Client gone (handler cancelled) or write failed: free the slot now.
             ctx.engine.cancel(task.task_id)
 
 
 async def _whole(
-    req: SamplingFields, task: GenerateTask, sink: QueueSink, builder: ResponseBuilder
+    req: SamplingFields,
+    task: GenerateTask,
+    sink: QueueSink,
+    builder: ResponseBuilder,
+    extra_headers: dict[str, str],
 ) -> web.Response:
     parts: list[str] = []
     while True:
@@ -144,7 +151,8 @@ async def _whole(
             parts.append(ev.text)
         elif isinstance(ev, DoneEvent):
             return web.json_response(
-                builder.final(ev.result, "".join(parts)), headers=_headers(req, task)
+                builder.final(ev.result, "".join(parts)),
+                headers={**_headers(req, task), **extra_headers},
             )
         else:
             raise ApiError(ev.status, ev.message, ev.type)
@@ -162,6 +170,7 @@ async def _stream(
     sink: QueueSink,
     builder: ResponseBuilder,
     include_usage: bool,
+    extra_headers: dict[str, str],
 ) -> web.StreamResponse:
     # Wait for the first event before sending headers, so an error before any token
     # (e.g. a full KV cache) is still a proper HTTP status instead of an SSE error event.
@@ -173,6 +182,7 @@ async def _stream(
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
             **_headers(req, task),
+            **extra_headers,
         }
     )
     await resp.prepare(request)

@@ -7,14 +7,23 @@ that takes a pool id also takes the pool's name: ids are per replica, names are 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
 
-from polykv_api.models import PoolCreated, PoolCreateRequest, PoolForkRequest, PoolPrefix
+from polykv_api.models import (
+    AdmissionPolicy,
+    CapacityReport,
+    PoolCreated,
+    PoolCreateRequest,
+    PoolForkRequest,
+    PoolPrefix,
+)
 
 from . import engine_pools
+from .admission import Policy
 from .context import AppContext, ctx_of
 from .engine import Engine
 from .http_errors import ApiError
@@ -158,6 +167,55 @@ async def get_pool(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
+async def set_admission(request: web.Request) -> web.Response:
+    require_admin(request)
+    ctx = ctx_of(request)
+    ref = _ref(request)
+    req = await parse(request, AdmissionPolicy)
+    policy = Policy(**req.model_dump(exclude=set(req.model_extra or {})))
+    await on_engine(ctx, lambda e: engine_pools.set_admission(e, ref, policy))
+    listing = await on_engine(ctx, lambda e: engine_pools.listing(e, ctx.boot_id, ref))
+    return web.json_response(listing.pools[0].model_dump())
+
+
+async def clear_admission(request: web.Request) -> web.Response:
+    require_admin(request)
+    ctx = ctx_of(request)
+    ref = _ref(request)
+    await on_engine(ctx, lambda e: engine_pools.set_admission(e, ref, None))
+    listing = await on_engine(ctx, lambda e: engine_pools.listing(e, ctx.boot_id, ref))
+    return web.json_response(listing.pools[0].model_dump())
+
+
+def _int_query(request: web.Request, name: str) -> int | None:
+    raw = request.query.get(name)
+    if raw is None:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ApiError(400, f"{name}: a positive integer, got {raw!r}")
+    return int(raw)
+
+
+async def get_capacity(request: web.Request) -> web.Response:
+    """Answered from the published snapshot: never waits for the engine thread."""
+    ctx = ctx_of(request)
+    ctx.require_ready()
+    ref = _ref(request)
+    expected = _int_query(request, "expected_tokens")
+    session = request.query.get("session_id") or request.headers.get("x-session-id")
+    pool = ctx.engine.snapshot.pool(ref)
+    if pool is None:
+        raise ApiError(404, f"pool {ref!r} does not exist", "not_found_error")
+    assert ctx.gate is not None
+    cap = ctx.gate.capacity(pool, expected, session)
+    body = CapacityReport(
+        pool_id=pool.pool_id,
+        policy=AdmissionPolicy(**dataclasses.asdict(pool.admission)) if pool.admission else None,
+        **dataclasses.asdict(cap),
+    )
+    return web.json_response(body.model_dump())
+
+
 async def slot_action(request: web.Request) -> web.Response:
     """llama-server's ``POST /slots/{id}?action=erase``; save/restore are not supported."""
     require_admin(request)
@@ -183,5 +241,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/polykv/pools/{pool}", get_pool)
     app.router.add_delete("/polykv/pools/{pool}", release_pool)
     app.router.add_post("/polykv/pools/{pool}/fork", fork_pool)
+    app.router.add_post("/polykv/pools/{pool}/admission", set_admission)
+    app.router.add_delete("/polykv/pools/{pool}/admission", clear_admission)
+    app.router.add_get("/polykv/pools/{pool}/capacity", get_capacity)
     for action in ("pin", "unpin", "evict", "flush"):
         app.router.add_post(f"/polykv/pools/{{pool}}/{action}", _action(action))

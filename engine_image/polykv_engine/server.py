@@ -18,6 +18,7 @@ from aiohttp import web
 from . import routes_inference, routes_info, routes_pools
 from .context import APP_KEY, AppContext, ServerSettings
 from .engine import Engine
+from .gate import AdmissionGate
 from .http_errors import ApiError
 from .metrics import build_registry
 from .server_auth import auth_middleware
@@ -73,11 +74,21 @@ def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
     ctx = AppContext(engine=engine, settings=settings)
     app[APP_KEY] = ctx
     registry, http_counter = build_registry(lambda: engine.snapshot)
+    ctx.gate = AdmissionGate(engine, registry)
     app[routes_info.METRICS_REGISTRY] = registry
     app[HTTP_COUNTER] = http_counter
     routes_info.add_routes(app)
     routes_inference.add_routes(app)
     routes_pools.add_routes(app)
+
+    async def start_gate(_: web.Application) -> None:
+        ctx.gate.start()  # type: ignore[union-attr]
+
+    async def stop_gate(_: web.Application) -> None:
+        await ctx.gate.stop()  # type: ignore[union-attr]
+
+    app.on_startup.append(start_gate)
+    app.on_cleanup.append(stop_gate)
     return app
 
 

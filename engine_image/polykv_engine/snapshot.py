@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .admission import Policy
+
 SlotState = Literal["idle", "prefill", "decoding"]
 
 
@@ -27,10 +29,24 @@ class SlotSnapshot:
     tps_ewma: float
     warming: bool
     last_used: float
+    shared_prefix: int = 0  # leading cells that are the pool's (not this session's own)
 
     @property
     def processing(self) -> bool:
         return self.state != "idle"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    pool_id: int
+    name: str | None
+    prefix_len: int
+    residency: str
+    admission: Policy | None
+
+    @property
+    def label(self) -> str:
+        return self.name or str(self.pool_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +79,14 @@ class EngineSnapshot:
     kv_cells_used: int = 0
     kv_cells_total: int = 0
     n_pools: int = 0
+    pools: tuple[PoolSnapshot, ...] = ()
     counters: Counters = field(default_factory=Counters)
+
+    def pool(self, ref: int | str) -> PoolSnapshot | None:
+        for p in self.pools:
+            if (isinstance(ref, int) and p.pool_id == ref) or p.name == ref:
+                return p
+        return None
 
     @property
     def n_processing(self) -> int:
