@@ -14,6 +14,7 @@ from .chat import ChatRenderer, ChatTemplateError
 from .engine import Engine
 from .gate import AdmissionGate
 from .http_errors import ApiError
+from .metrics import PoolGauges
 from .runtime import LlamaRuntime
 
 
@@ -37,6 +38,7 @@ class AppContext:
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     draining: bool = False
     gate: AdmissionGate | None = None
+    pool_gauges: list[PoolGauges] = field(default_factory=list)
     _renderer: ChatRenderer | None = None
 
     @property

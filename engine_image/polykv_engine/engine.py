@@ -232,6 +232,12 @@ class Engine:
             self.cfg.max_pools,
             rcfg.kv_unified,
         )
+        if self.cfg.context_shift and self.cfg.max_pools > 0:
+            log.warning(
+                "--context-shift with pools: a session whose context holds pool-shared cells "
+                "is never shifted (that would corrupt the pool for everyone); it stops with "
+                "truncated=true instead. Compact by re-forking (see the README)."
+            )
         self._publish(ready=True)
 
     def _busy(self) -> bool:

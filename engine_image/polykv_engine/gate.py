@@ -85,6 +85,12 @@ class AdmissionGate:
             ["pool"],
             registry=registry,
         )
+        self.prefix_hits = Counter(
+            "polykv_pool_prefix_hits",
+            "Requests that reused a pool's cached prefix",
+            ["pool"],
+            registry=registry,
+        )
         self._updater: asyncio.Task[None] | None = None
 
     def state(self, pool_id: int) -> PoolAdmissionState:
@@ -178,6 +184,8 @@ class AdmissionGate:
 
     def finished(self, task: GenerateTask) -> None:
         """The request ended (done, failed or cancelled): its settle cannot wait for it."""
+        if task.pool is not None and task.shared_prefix > 0:
+            self.prefix_hits.labels(task.pool.label).inc()
         for st in self.states.values():
             if st.settle is not None and st.settle.task_id == task.task_id:
                 st.settle.finished = True

@@ -7,6 +7,7 @@ labels stay low-cardinality: never a session id or prompt text.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -65,10 +66,49 @@ class EngineCollector(Collector):
         yield gauge("kv_cells_total", "KV cells in the cache", snap.kv_cells_total)
 
 
-def build_registry(snapshot: Callable[[], EngineSnapshot]) -> tuple[CollectorRegistry, Counter]:
+@dataclass(frozen=True, slots=True)
+class PoolGauges:
+    """Per-pool values, computed by the /metrics handler just before a scrape."""
+
+    label: str
+    sessions: int
+    own_kv_bytes: int
+    subtree_kv_bytes: int
+    gen_throughput_tps: float
+    mean_active_tps: float
+    compaction_pressure: float
+
+
+_POOL_GAUGES: list[tuple[str, str]] = [
+    ("sessions", "Sessions attached to the pool"),
+    ("own_kv_bytes", "KV bytes of the pool's own range [D, L)"),
+    ("subtree_kv_bytes", "KV bytes of the pool, its descendants and their sessions"),
+    ("gen_throughput_tps", "Decode tokens/s of the pool's sessions"),
+    ("mean_active_tps", "Mean experienced tps of the pool's decoding sessions"),
+    ("compaction_pressure", "0..1: how close the pool's sessions are to running out of KV"),
+]
+
+
+class PoolCollector(Collector):
+    def __init__(self, gauges: Callable[[], list[PoolGauges]]) -> None:
+        self._gauges = gauges
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self._gauges()
+        for attr, doc in _POOL_GAUGES:
+            fam = GaugeMetricFamily(f"polykv_pool_{attr}", doc, labels=["pool"])
+            for row in rows:
+                fam.add_metric([row.label], float(getattr(row, attr)))
+            yield fam
+
+
+def build_registry(
+    snapshot: Callable[[], EngineSnapshot], pool_gauges: Callable[[], list[PoolGauges]]
+) -> tuple[CollectorRegistry, Counter]:
     """A registry of its own (tests run several engines in one process)."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(EngineCollector(snapshot))
+    registry.register(PoolCollector(pool_gauges))
     http = Counter(
         "polykv_http_requests",
         "HTTP requests by route template and status code",

@@ -11,9 +11,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from polykv_api.models import PolykvProps, SessionTps, TpsSnapshot
 
-from . import __version__
+from . import __version__, engine_pools
 from .context import AppContext, ctx_of
 from .http_errors import ApiError
+from .metrics import PoolGauges
 from .snapshot import EngineSnapshot
 from .tps import mean_active_tps
 
@@ -185,10 +186,37 @@ async def polykv_tps(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def _pool_gauges(ctx: AppContext) -> list[PoolGauges]:
+    listing = await asyncio.wrap_future(
+        ctx.engine.call(lambda e: engine_pools.listing(e, ctx.boot_id))
+    )
+    assert ctx.gate is not None
+    snap = ctx.engine.snapshot
+    rows = []
+    for p in listing.pools:
+        decoding = [s.tps_ewma for s in p.sessions if s.state == "decoding"]
+        pool = snap.pool(p.pool_id)
+        pressure = ctx.gate.capacity(pool, None, None).compaction_pressure if pool else 0.0
+        rows.append(
+            PoolGauges(
+                label=p.name or str(p.pool_id),
+                sessions=len(p.sessions),
+                own_kv_bytes=p.own_kv_bytes,
+                subtree_kv_bytes=p.subtree_kv_bytes,
+                gen_throughput_tps=sum(decoding),
+                mean_active_tps=mean_active_tps(decoding),
+                compaction_pressure=pressure,
+            )
+        )
+    return rows
+
+
 async def metrics(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     if not ctx.settings.metrics:
         raise ApiError(501, "metrics are disabled; start the engine with --metrics")
+    if ctx.engine.ready and ctx.engine.snapshot.pools:
+        ctx.pool_gauges = await _pool_gauges(ctx)
     registry: Any = request.app[METRICS_REGISTRY]
     body = generate_latest(registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

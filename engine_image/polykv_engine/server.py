@@ -73,7 +73,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
     )
     ctx = AppContext(engine=engine, settings=settings)
     app[APP_KEY] = ctx
-    registry, http_counter = build_registry(lambda: engine.snapshot)
+    registry, http_counter = build_registry(lambda: engine.snapshot, lambda: ctx.pool_gauges)
     ctx.gate = AdmissionGate(engine, registry)
     app[routes_info.METRICS_REGISTRY] = registry
     app[HTTP_COUNTER] = http_counter
