@@ -161,8 +161,9 @@ def test_enforced_queue_holds_then_admits_or_times_out(ac: httpx.Client) -> None
         assert r.status_code == 429, r.text
         # Held until headroom returns: here the floor is lowered while the request waits.
         result: dict[str, httpx.Response] = {}
-        policy(ac, "q", target_tps_per_session=UNREACHABLE, mode="enforced",
-               on_saturation="queue", queue_max_ms=20_000, settle_tokens=8, settle_max_ms=1000)  # fmt: skip
+        strict = dict(target_tps_per_session=UNREACHABLE, mode="enforced", settle_tokens=8,
+                      settle_max_ms=1000, on_saturation="queue", queue_max_ms=20_000)  # fmt: skip
+        policy(ac, "q", **strict)
 
         def queued() -> None:
             with httpx.Client(base_url=str(ac.base_url), timeout=60) as c:
