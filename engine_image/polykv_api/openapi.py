@@ -1,0 +1,104 @@
+"""The engine's OpenAPI document, generated from the wire contract (never written by hand).
+
+``python -m polykv_api.openapi > engine_image/openapi.json``; a test fails when the committed
+file and the models disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from . import models as m
+
+Op = tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | None]
+
+# (method, path, summary, request model, response model)
+OPERATIONS: list[Op] = [
+    ("post", "/completion", "llama-server native completion", m.CompletionRequest, None),
+    ("post", "/v1/completions", "OpenAI completions", m.OAICompletionRequest, None),
+    ("post", "/v1/chat/completions", "OpenAI chat completions", m.ChatCompletionRequest, None),
+    ("post", "/tokenize", "Text to tokens", m.TokenizeRequest, None),
+    ("post", "/detokenize", "Tokens to text", m.DetokenizeRequest, None),
+    ("get", "/polykv/tps", "Per-session and aggregate decode tps", None, m.TpsSnapshot),
+    ("post", "/polykv/pools", "Create a root pool", m.PoolCreateRequest, m.PoolCreated),
+    ("get", "/polykv/pools", "The pool tree with KV accounting", None, m.PoolList),
+    ("get", "/polykv/pools/{pool}", "One pool and its descendants", None, m.PoolStatus),
+    ("delete", "/polykv/pools/{pool}", "Release a pool (leaves first)", None, None),
+    (
+        "post",
+        "/polykv/pools/{pool}/fork",
+        "Extend or branch a pool",
+        m.PoolForkRequest,
+        m.PoolCreated,
+    ),
+    ("post", "/polykv/pools/{pool}/pin", "Pin a pool", None, m.PoolStatus),
+    ("post", "/polykv/pools/{pool}/unpin", "Unpin a pool", None, m.PoolStatus),
+    ("post", "/polykv/pools/{pool}/evict", "Drop a pool's KV, keep the pool", None, m.PoolStatus),
+    ("post", "/polykv/pools/{pool}/flush", "Evict a pool's subtree", None, m.PoolStatus),
+    (
+        "post",
+        "/polykv/pools/{pool}/admission",
+        "Set the admission policy",
+        m.AdmissionPolicy,
+        m.PoolStatus,
+    ),
+    ("delete", "/polykv/pools/{pool}/admission", "Clear the admission policy", None, m.PoolStatus),
+    ("get", "/polykv/pools/{pool}/capacity", "Admission verdict", None, m.CapacityReport),
+]
+
+ERROR = {"$ref": "#/components/schemas/ErrorBody"}
+
+
+def document() -> dict[str, Any]:
+    models = {op[3] for op in OPERATIONS} | {op[4] for op in OPERATIONS} | {m.ErrorBody}
+    used = sorted((x for x in models if x is not None), key=lambda x: x.__name__)
+    _, schemas = models_json_schema(
+        [(x, "validation") for x in used], ref_template="#/components/schemas/{model}"
+    )
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path, summary, req, resp in OPERATIONS:
+        op: dict[str, Any] = {"summary": summary, "responses": {}}
+        if "{pool}" in path:
+            op["parameters"] = [
+                {
+                    "name": "pool",
+                    "in": "path",
+                    "required": True,
+                    "description": "pool id (per replica) or pool name",
+                    "schema": {"type": "string"},
+                }
+            ]
+        if req is not None:
+            ref = {"$ref": f"#/components/schemas/{req.__name__}"}
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
+        ok: dict[str, Any] = {"description": "OK"}
+        if resp is not None:
+            ok["content"] = {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{resp.__name__}"}}
+            }
+        op["responses"]["200"] = ok
+        for code in ("400", "401", "403", "404", "409", "429", "503"):
+            op["responses"][code] = {
+                "description": "error",
+                "content": {"application/json": {"schema": ERROR}},
+            }
+        paths.setdefault(path, {})[method] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "PolyKV engine", "version": "v1"},
+        "paths": paths,
+        "components": {"schemas": schemas.get("$defs", {})},
+    }
+
+
+def render() -> str:
+    return json.dumps(document(), indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())
