@@ -13,7 +13,7 @@ require (
 	go.etcd.io/etcd/server/v3 v3.6.8
 	k8s.io/client-go v0.36.3
 	k8s.io/component-base v0.36.3
-	k8s.io/kubectl v0.0.0
+	k8s.io/kubectl v0.36.3
 	k8s.io/kubernetes v1.36.3
 )
 

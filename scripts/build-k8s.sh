@@ -100,7 +100,7 @@ done
 
 TOTAL="$("$GO" list -deps ./cmd/... | wc -l)"
 log "compiling ${BINS[*]:0:5} (~$TOTAL packages)"
-"$GO" build -v -trimpath -ldflags "$LD" -o "$TMP/" ./cmd/... 2>&1 | progress kubernetes "$TOTAL"
+"$GO" build -v -trimpath -buildvcs=false -ldflags "$LD" -o "$TMP/" ./cmd/... 2>&1 | progress kubernetes "$TOTAL"
 log "kubernetes binaries done at $((SECONDS / 60))m$((SECONDS % 60))s"
 
 HLD="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_V"
@@ -110,7 +110,7 @@ for pkg in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
 done
 TOTAL="$(cd helm && "$GO" list -deps helm.sh/helm/v3/cmd/helm | wc -l)"
 log "compiling helm (~$TOTAL packages)"
-(cd helm && "$GO" build -v -trimpath -ldflags "$HLD" -o "$TMP/helm" helm.sh/helm/v3/cmd/helm) 2>&1 \
+(cd helm && "$GO" build -v -trimpath -buildvcs=false -ldflags "$HLD" -o "$TMP/helm" helm.sh/helm/v3/cmd/helm) 2>&1 \
   | progress helm "$TOTAL"
 
 for b in "${BINS[@]}"; do
