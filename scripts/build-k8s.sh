@@ -5,7 +5,7 @@
 #
 # Binaries are cached outside the repo, keyed by Kubernetes version and Go
 # version; a stamp of the pinned inputs makes a second run return in seconds.
-# The cold build takes tens of minutes on 2 cores and prints progress.
+# The cold build takes 10-15 minutes on 2 cores and prints progress.
 #
 # Prints the binary directory as the last line of stdout; everything else goes
 # to stderr. Override the location with POLYKV_K8S_BIN_DIR.
@@ -59,28 +59,38 @@ if cached; then
   exit 0
 fi
 
-# Prints a line every 100 compiled packages, and the current one every 60 s,
-# so a 30-minute build is visibly alive without thousands of log lines.
+# `go build -v` names each package it compiles: print one line per 100 of them, so a
+# long build is visibly alive without thousands of log lines.
 progress() {
   local label=$1 total=$2
   awk -v label="$label" -v total="$total" '
-    BEGIN { start = systime(); last = start }
     # Compiler errors (and anything else that is not a bare import path) pass through.
     / / || /^#/ { print > "/dev/stderr"; fflush("/dev/stderr"); next }
-    {
-      n++; now = systime()
-      if (n % 100 == 0 || now - last >= 60) {
-        printf "[build-k8s] %s: %d/~%d packages compiled, %dm%02ds, at %s\n",
-          label, n, total, (now - start) / 60, (now - start) % 60, $0 > "/dev/stderr"
-        fflush("/dev/stderr"); last = now
-      }
+    ++n % 100 == 0 {
+      printf "[build-k8s] %s: %d/~%d packages compiled, at %s\n", label, n, total, $0 > "/dev/stderr"
+      fflush("/dev/stderr")
     }'
+}
+
+# Linking prints nothing for minutes; say so once a minute.
+# Its sleep must die with it: an orphan would hold the caller's output pipe open.
+heartbeat() {
+  local start=$SECONDS nap
+  trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+  while :; do
+    sleep 60 &
+    nap=$!
+    wait "$nap"
+    log "still building ($(((SECONDS - start) / 60)) min)"
+  done
 }
 
 TMP="$OUT.tmp.$$"
 rm -rf "$TMP"
 mkdir -p "$TMP"
-trap 'rm -rf "$TMP"' EXIT
+heartbeat >/dev/null &
+HEARTBEAT=$!
+trap 'kill "$HEARTBEAT" 2>/dev/null; rm -rf "$TMP"' EXIT
 
 SECONDS=0
 log "cold build of Kubernetes $KV + helm $HELM_V with $GOV into $OUT"
@@ -121,6 +131,7 @@ done
 echo "$STAMP" >"$TMP/.stamp"
 rm -rf "$OUT"
 mv "$TMP" "$OUT"
+kill "$HEARTBEAT" 2>/dev/null
 trap - EXIT
 log "done in $((SECONDS / 60))m$((SECONDS % 60))s: $OUT"
 echo "$OUT"
