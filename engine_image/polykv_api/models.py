@@ -384,10 +384,9 @@ class AdmissionPolicy(_Request):
     queue_max_ms: int = Field(30_000, ge=1, le=600_000, description="longest a queued attach waits")
 
 
-class CapacityReport(BaseModel):
-    """``GET /polykv/pools/{id}/capacity[?expected_tokens=N&session_id=S]``."""
+class Capacity(BaseModel):
+    """The admission verdict for one more session in a pool (spec §4.4, §14)."""
 
-    pool_id: int
     can_admit: bool
     reason: str
     projected_mean_tps_if_admitted: float | None
@@ -406,4 +405,10 @@ class CapacityReport(BaseModel):
     guaranteed: bool
     known_session: bool
     compaction_pressure: float
+
+
+class CapacityReport(Capacity):
+    """``GET /polykv/pools/{id}/capacity[?expected_tokens=N&session_id=S]``."""
+
+    pool_id: int
     policy: AdmissionPolicy | None

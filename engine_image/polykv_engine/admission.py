@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from polykv_api.models import Capacity
+
 Mode = Literal["advisory", "enforced"]
 OnSaturation = Literal["reject", "warn", "queue"]
 
@@ -142,28 +144,6 @@ class PoolAdmissionState:
             self.last_settled_ts = now
         self.settle = None
         return True
-
-
-@dataclass(frozen=True, slots=True)
-class Capacity:
-    can_admit: bool
-    reason: str
-    projected_mean_tps_if_admitted: float | None
-    projected_mean_tps_model: float | None
-    projected_mean_tps_measured: float | None
-    projected_idle_estimate: bool
-    drop_per_admit_ewma: float | None
-    headroom_sessions: int
-    kv_headroom_pct: float
-    settling: bool
-    settle_remaining_ms: float
-    n_warming: int
-    n_active: int
-    mean_active_tps: float
-    n_pool_sessions: int
-    guaranteed: bool
-    known_session: bool
-    compaction_pressure: float
 
 
 def compaction_pressure(view: EngineView) -> float:

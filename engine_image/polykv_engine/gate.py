@@ -17,9 +17,10 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter
 
+from polykv_api.models import Capacity
+
 from .admission import (
     REASON_SETTLING,
-    Capacity,
     EngineView,
     PoolAdmissionState,
     SessionView,

@@ -20,6 +20,7 @@ from typing import Literal
 import xxhash
 
 from .admission import Policy
+from .slot_choice import common_prefix_len
 
 Residency = Literal["materializing", "resident", "evicted"]
 
@@ -50,14 +51,6 @@ def chained_hashes(tokens: Sequence[int], prefix: array | None = None) -> array:
         h = xxhash.xxh64_intdigest(_PACK.pack(h, tok))
         out.append(h)
     return out
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def validate_name(name: str) -> None:
@@ -172,7 +165,7 @@ class PoolTree:
             return None
         pool = self.pools[pid]
         if list(tokens) != pool.tokens:
-            d = common_prefix(tokens, pool.tokens)
+            d = common_prefix_len(tokens, pool.tokens)
             raise PoolError(
                 409,
                 f"pool {name!r} already exists with a different prefix (first difference at "
@@ -195,7 +188,7 @@ class PoolTree:
             raise PoolError(400, "a pool prefix needs at least one token")
         if parent.residency == "materializing" and parent.n_materialized == 0:
             pass  # the fork waits for the parent; validation below uses host-side tokens
-        shared = common_prefix(parent.tokens, tokens)
+        shared = common_prefix_len(parent.tokens, tokens)
         if branch_pos is None:
             d = shared
         else:

@@ -167,24 +167,25 @@ async def get_pool(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-async def set_admission(request: web.Request) -> web.Response:
-    require_admin(request)
+async def _apply_admission(request: web.Request, policy: Policy | None) -> web.Response:
     ctx = ctx_of(request)
     ref = _ref(request)
-    req = await parse(request, AdmissionPolicy)
-    policy = Policy(**req.model_dump(exclude=set(req.model_extra or {})))
     await on_engine(ctx, lambda e: engine_pools.set_admission(e, ref, policy))
     listing = await on_engine(ctx, lambda e: engine_pools.listing(e, ctx.boot_id, ref))
     return web.json_response(listing.pools[0].model_dump())
 
 
+async def set_admission(request: web.Request) -> web.Response:
+    require_admin(request)
+    req = await parse(request, AdmissionPolicy)
+    return await _apply_admission(
+        request, Policy(**req.model_dump(exclude=set(req.model_extra or {})))
+    )
+
+
 async def clear_admission(request: web.Request) -> web.Response:
     require_admin(request)
-    ctx = ctx_of(request)
-    ref = _ref(request)
-    await on_engine(ctx, lambda e: engine_pools.set_admission(e, ref, None))
-    listing = await on_engine(ctx, lambda e: engine_pools.listing(e, ctx.boot_id, ref))
-    return web.json_response(listing.pools[0].model_dump())
+    return await _apply_admission(request, None)
 
 
 def _int_query(request: web.Request, name: str) -> int | None:
@@ -211,7 +212,7 @@ async def get_capacity(request: web.Request) -> web.Response:
     body = CapacityReport(
         pool_id=pool.pool_id,
         policy=AdmissionPolicy(**dataclasses.asdict(pool.admission)) if pool.admission else None,
-        **dataclasses.asdict(cap),
+        **cap.model_dump(),
     )
     return web.json_response(body.model_dump())
 
