@@ -11,7 +11,6 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import httpx
@@ -20,6 +19,7 @@ import yaml
 from . import components, pki
 from .bins import ensure_binaries
 from .kubeapi import ApiError, Credentials, Kube
+from .lifecycle import StartStop
 from .procs import ManagedProcess
 from .waiting import NotReady, free_port, wait_for
 
@@ -33,7 +33,7 @@ class ControlPlaneError(RuntimeError):
     pass
 
 
-class ControlPlane:
+class ControlPlane(StartStop):
     """Owns the component processes and the files under `state_dir`:
 
     pki/ (certificates), etcd/ (data), logs/<component>.log, kubeconfig, and
@@ -97,18 +97,6 @@ class ControlPlane:
         if self._kube is not None:
             self._kube.close()
             self._kube = None
-
-    def __enter__(self) -> ControlPlane:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # -- single components (also for fault injection: stop or restart the apiserver) --
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from .controlplane import ControlPlane
+from .lifecycle import StartStop
 from .procs import ManagedProcess
 
 
@@ -38,7 +38,7 @@ def in_process(
     return KopfRunner(kopf_args(target, namespace), timeout=timeout_s, **kwargs)
 
 
-class OperatorProcess:
+class OperatorProcess(StartStop):
     """`python -m kopf run ...` as a child process, logging to `log_path`."""
 
     def __init__(
@@ -53,12 +53,11 @@ class OperatorProcess:
         argv = [sys.executable, "-m", "kopf", *kopf_args(target, namespace)]
         self.proc = ManagedProcess("operator", argv, log_path, env=env)
 
-    def start(self) -> OperatorProcess:
+    def start(self) -> None:
         self.proc.start()
-        return self
 
-    def stop(self, grace_s: float = 20.0) -> int | None:
-        return self.proc.stop(grace_s)
+    def stop(self, grace_s: float = 20.0) -> None:
+        self.proc.stop(grace_s)
 
     def kill(self) -> None:
         """SIGKILL, no cleanup: for crash-recovery tests."""
@@ -66,14 +65,3 @@ class OperatorProcess:
 
     def log(self) -> str:
         return self.proc.log_path.read_text(errors="replace")
-
-    def __enter__(self) -> OperatorProcess:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

@@ -100,6 +100,31 @@ def _issue(
     return builder.sign(issuer_key, hashes.SHA256())
 
 
+Issuer = tuple[x509.Name, ec.EllipticCurvePrivateKey]
+
+
+def _ca(cn: str, cert_path: Path, key_path: Path | None) -> Issuer:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = _name(cn)
+    _write_cert(cert_path, _issue(name, key, name, key, ca=True))
+    if key_path is not None:
+        _write_key(key_path, key)
+    return name, key
+
+
+def _leaf(
+    subject: x509.Name,
+    issuer: Issuer,
+    paths: tuple[Path, Path],
+    usage: x509.ObjectIdentifier,
+    sans: list[x509.GeneralName] | None = None,
+) -> None:
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _issue(subject, key, issuer[0], issuer[1], usages=[usage], sans=sans)
+    _write_cert(paths[0], cert)
+    _write_key(paths[1], key)
+
+
 def generate(directory: Path) -> Pki:
     """Writes a fresh PKI into `directory` and returns the file paths."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -116,13 +141,7 @@ def generate(directory: Path) -> Pki:
         front_proxy_cert=directory / "front-proxy-client.crt",
         front_proxy_key=directory / "front-proxy-client.key",
     )
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = _name("polykv-dev-ca")
-    ca = _issue(ca_name, ca_key, ca_name, ca_key, ca=True)
-    _write_key(pki.ca_key, ca_key)
-    _write_cert(pki.ca_cert, ca)
-
-    serving_key = ec.generate_private_key(ec.SECP256R1())
+    ca = _ca("polykv-dev-ca", pki.ca_cert, pki.ca_key)
     dns = [
         "localhost",
         "kubernetes",
@@ -132,44 +151,29 @@ def generate(directory: Path) -> Pki:
     ]
     sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
     sans += [x509.IPAddress(ipaddress.ip_address(a)) for a in ("127.0.0.1", SERVICE_IP)]
-    serving = _issue(
+    _leaf(
         _name("kube-apiserver"),
-        serving_key,
-        ca_name,
-        ca_key,
-        usages=[ExtendedKeyUsageOID.SERVER_AUTH],
-        sans=sans,
+        ca,
+        (pki.serving_cert, pki.serving_key),
+        ExtendedKeyUsageOID.SERVER_AUTH,
+        sans,
     )
-    _write_key(pki.serving_key, serving_key)
-    _write_cert(pki.serving_cert, serving)
-
     # Group system:masters is bound to cluster-admin and bypasses RBAC entirely.
-    admin_key = ec.generate_private_key(ec.SECP256R1())
-    admin = _issue(
+    _leaf(
         _name("polykv-admin", "system:masters"),
-        admin_key,
-        ca_name,
-        ca_key,
-        usages=[ExtendedKeyUsageOID.CLIENT_AUTH],
+        ca,
+        (pki.admin_cert, pki.admin_key),
+        ExtendedKeyUsageOID.CLIENT_AUTH,
     )
-    _write_key(pki.admin_key, admin_key)
-    _write_cert(pki.admin_cert, admin)
-
-    # The request-header (front proxy) CA: the controller manager and scheduler refuse
-    # to stop complaining without it, and aggregated APIs (metrics-server) need it.
-    fp_ca_key = ec.generate_private_key(ec.SECP256R1())
-    fp_ca_name = _name("polykv-dev-front-proxy-ca")
-    _write_cert(pki.front_proxy_ca, _issue(fp_ca_name, fp_ca_key, fp_ca_name, fp_ca_key, ca=True))
-    fp_key = ec.generate_private_key(ec.SECP256R1())
-    fp = _issue(
+    # The request-header (front proxy) CA: the controller manager and scheduler log errors
+    # in a loop without it, and aggregated APIs (metrics-server) need it.
+    fp_ca = _ca("polykv-dev-front-proxy-ca", pki.front_proxy_ca, None)
+    _leaf(
         _name(FRONT_PROXY_CN),
-        fp_key,
-        fp_ca_name,
-        fp_ca_key,
-        usages=[ExtendedKeyUsageOID.CLIENT_AUTH],
+        fp_ca,
+        (pki.front_proxy_cert, pki.front_proxy_key),
+        ExtendedKeyUsageOID.CLIENT_AUTH,
     )
-    _write_key(pki.front_proxy_key, fp_key)
-    _write_cert(pki.front_proxy_cert, fp)
 
     # RSA: every service-account token verifier understands RS256.
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)

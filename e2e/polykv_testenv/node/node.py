@@ -9,9 +9,9 @@ import os
 import platform
 import threading
 from pathlib import Path
-from types import TracebackType
 
 from ..kubeapi import MERGE_PATCH, ApiError, Credentials, Gone, Kube, Obj
+from ..lifecycle import StartStop
 from ..waiting import wait_for
 from .addresses import AddressPool
 from .container import now_iso
@@ -34,7 +34,7 @@ def micro_now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-class ProcessNode:
+class ProcessNode(StartStop):
     """Usable in-process (tests) or inside the `polykv-dev` daemon. start() returns once
     the Node reports Ready; stop() kills every pod process it started."""
 
@@ -103,18 +103,6 @@ class ProcessNode:
                 log.warning("node delete failed: %s", exc)
         self.api.close()
         log.info("process node stopped name=%s pods=%d", self.name, len(runners))
-
-    def __enter__(self) -> ProcessNode:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # -- lookups for tests and tools -------------------------------------------------
 
