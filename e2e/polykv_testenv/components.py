@@ -86,6 +86,9 @@ def kube_apiserver(
         "--requestheader-extra-headers-prefix=X-Remote-Extra-",
         f"--proxy-client-cert-file={pki.front_proxy_cert}",
         f"--proxy-client-key-file={pki.front_proxy_key}",
+        # With the default (0) open watches are not ended on SIGTERM, and shutdown then
+        # waits up to a minute for clients to hang up: restarts in fault tests would stall.
+        "--shutdown-watch-termination-grace-period=2s",
         "--profiling=false",
         f"--v={verbosity}",
     ]

@@ -213,7 +213,9 @@ class PodRunner:
         command = [expand(a, env) for a in container.get("command") or []]
         args = [expand(a, env) for a in container.get("args") or []]
         argv = [rewrite(a) for a in img.container_argv(entry, command, args)]
-        if entry.bind_flag:
+        if entry.bind_flag and not command:
+            # The flag belongs to the image's own entrypoint; a `command` runs another program
+            # (an init container running a tool from the same image, say).
             argv = img.force_bind(argv, entry.bind_flag, self.pod_ip)
         argv[0] = img.resolve_executable(argv[0])
         workdir = container.get("workingDir")
