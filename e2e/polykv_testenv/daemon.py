@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -46,6 +47,8 @@ def serve(dev_dir: Path, bin_dir: Path | None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # Pod logs and volumes of the previous run go; PVC directories (node/claims) stay.
+    shutil.rmtree(dev_dir / "node" / "pods", ignore_errors=True)
     cluster = ControlPlane(dev_dir / "cluster", bin_dir)
     node: ProcessNode | None = None
     try:
