@@ -1,0 +1,115 @@
+"""PolyKVEngine: a fleet of engine replicas serving one model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from .meta import CONDITIONS_SCHEMA_EXTRA, Condition, KubeModel, SecretKeySelector
+
+DEFAULT_IMAGE = "polykv/engine:0.1.0"
+
+
+class ModelInit(KubeModel):
+    """An init container that puts the model file on the volume before the engine starts
+    (a download on a real cluster, or the generator for a test model)."""
+
+    image: str | None = None
+    """Container image; defaults to the engine's image."""
+    command: list[str] = Field(min_length=1)
+    """The command that writes the model file to spec.model.path."""
+
+
+class ModelSource(KubeModel):
+    """Where the engine finds its GGUF model."""
+
+    path: str = Field(min_length=1, pattern=r"^/")
+    """Absolute path of the GGUF file inside the engine container."""
+    volume: dict[str, Any] | None = None
+    """A Kubernetes volume source holding the model, e.g. {persistentVolumeClaim: {claimName:
+    models}}. Absent: an emptyDir (filled by init)."""
+    mount_path: str | None = Field(None, pattern=r"^/")
+    """Where the volume is mounted; defaults to the directory of path."""
+    init: ModelInit | None = None
+    """Optional init container that writes the model to the volume first."""
+
+
+class PolyKVEngineSpec(KubeModel):
+    """The desired engine fleet. The operator turns it into a Deployment and a Service."""
+
+    model: ModelSource
+    """The GGUF model every replica loads."""
+    image: str = DEFAULT_IMAGE
+    """The engine container image."""
+    replicas: int = Field(1, ge=0)
+    """Number of engine replicas; the scale subresource (kubectl scale, an HPA) sets it."""
+    parallel: int = Field(4, ge=1, le=256)
+    """Decoding slots per replica: concurrent sessions (-np)."""
+    context_size: int = Field(8192, ge=256)
+    """KV cache size in tokens (-c)."""
+    max_pools: int = Field(16, ge=1, le=1024)
+    """Sequence ids reserved for pools (--polykv-max-pools)."""
+    threads: int | None = Field(None, ge=1)
+    """CPU threads for decoding (-t); absent: all cores."""
+    port: int = Field(8080, ge=1, le=65535)
+    """The engine's HTTP port inside the pod."""
+    api_key_secret_ref: SecretKeySelector | None = None
+    """Inference API key (--api-key) read from this Secret key; absent: inference routes are
+    open to whoever can reach the pods."""
+    extra_args: list[str] | None = None
+    """More polykv-engine flags (llama-server style), appended as given."""
+    resources: dict[str, Any] | None = None
+    """Container resources (requests/limits), as in a Pod spec."""
+    pod_labels: dict[str, str] | None = None
+    """Extra labels for the engine pods."""
+
+
+class ReplicaStatus(KubeModel):
+    """One engine replica (pod) as the operator last saw it."""
+
+    pod: str
+    """The pod's name."""
+    pod_ip: str | None = Field(None, alias="podIP")
+    """The pod's IP address."""
+    boot_id: str | None = None
+    """The engine process's boot id; it changes when the process restarts."""
+    pools_ready: bool = False
+    """Whether every declared pool and policy is on this replica (its readiness gate)."""
+    reachable: bool = False
+    """Whether the last poll got an answer."""
+    seq_ids_used: int | None = None
+    """Sequence ids in use (slots and pools)."""
+    seq_ids_max: int | None = None
+    """Sequence ids available."""
+    kv_cells_used: int | None = None
+    """KV cells in use."""
+    kv_cells_total: int | None = None
+    """KV cells in the cache."""
+    sessions: int | None = None
+    """Sessions attached to pools."""
+    mean_active_tps: float | None = None
+    """Mean experienced decode tokens/s of this replica's decoding sessions."""
+    message: str | None = None
+    """Why the replica is not in service, when it is not."""
+
+
+class PolyKVEngineStatus(KubeModel):
+    """What the operator observed of the fleet."""
+
+    observed_generation: int | None = None
+    """The metadata.generation the status was computed from."""
+    conditions: list[Condition] | None = Field(None, json_schema_extra=CONDITIONS_SCHEMA_EXTRA)
+    """Ready, Reconciling and Stalled (kstatus)."""
+    replicas: int | None = None
+    """Engine pods that exist."""
+    ready_replicas: int | None = None
+    """Engine pods that are Ready (engine up, pools materialized)."""
+    selector: str | None = None
+    """Label selector of the pods, for the scale subresource."""
+    pools: int | None = None
+    """Declared pools that are materialized everywhere."""
+    mean_active_tps: float | None = None
+    """Mean experienced decode tokens/s over the fleet's decoding sessions."""
+    replica_status: list[ReplicaStatus] | None = None
+    """Per replica: boot id, sequence ids and KV cells."""

@@ -1,0 +1,46 @@
+"""Operator settings from the environment (the Deployment sets them; tests shorten them)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ConfigError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Config:
+    poll_interval_s: float = 5.0
+    """Seconds between two polls of one replica (and between status refreshes)."""
+    capacity_every: int = 3
+    """Rounds between two capacity reads of each pool (a call per pool and replica)."""
+    metrics_port: int | None = None
+    """Where /metrics is served; None: not served."""
+    master_key: str = ""
+    """Secret from which every engine's admin key is derived."""
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Config:
+        e = dict(os.environ if env is None else env)
+        key = e.get("POLYKV_OPERATOR_MASTER_KEY", "")
+        key_file = e.get("POLYKV_OPERATOR_MASTER_KEY_FILE")
+        if not key and key_file:
+            key = Path(key_file).read_text().strip()
+        port = e.get("POLYKV_OPERATOR_METRICS_PORT")
+        return cls(
+            poll_interval_s=float(e.get("POLYKV_OPERATOR_POLL_INTERVAL", "5")),
+            capacity_every=int(e.get("POLYKV_OPERATOR_CAPACITY_EVERY", "3")),
+            metrics_port=int(port) if port else None,
+            master_key=key,
+        )
+
+    def require_master_key(self) -> str:
+        if not self.master_key:
+            raise ConfigError(
+                "POLYKV_OPERATOR_MASTER_KEY (or POLYKV_OPERATOR_MASTER_KEY_FILE) is not set: "
+                "the operator derives each engine's admin key from it"
+            )
+        return self.master_key

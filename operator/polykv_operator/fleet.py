@@ -1,0 +1,127 @@
+"""What the operator knows about each engine fleet between rounds (in memory only).
+
+Written by the engine round (sync.py) and read by the status computations. Everything here
+can be rebuilt from the cluster and the engines: after an operator restart the first round
+polls every replica again and re-validates every pool (dry runs create nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from polykv_api.models import CapacityReport, PoolList, PoolStatus
+
+EngineKey = tuple[str, str]  # (namespace, engine name)
+
+RENDER_RETRY_S = 30.0  # a rejected prefix is asked about again after this long
+
+
+@dataclass(frozen=True)
+class ReplicaRef:
+    """An engine pod as the index saw it."""
+
+    name: str
+    uid: str
+    ip: str | None
+    running: bool  # the engine container's process is running
+    ready: bool  # ... and passes its readiness probe (the engine is up)
+    gate: str | None  # our readiness gate condition: "True", "False" or None (absent)
+    terminating: bool = False
+    restarts: int = 0
+    waiting_reason: str | None = None  # e.g. CrashLoopBackOff, RunContainerError
+    waiting_message: str | None = None
+
+
+@dataclass
+class Observation:
+    """One replica at the last poll."""
+
+    pod: str
+    uid: str
+    ip: str | None
+    reachable: bool
+    error: str | None = None
+    listing: PoolList | None = None
+    capacity: dict[str, CapacityReport] = field(default_factory=dict)
+    at: float = field(default_factory=time.time)
+
+    def pool(self, name: str) -> PoolStatus | None:
+        if self.listing is None:
+            return None
+        for p in self.listing.pools:
+            if p.name == name:
+                return p
+        return None
+
+    @property
+    def boot_id(self) -> str | None:
+        return self.listing.boot_id if self.listing is not None else None
+
+
+@dataclass(frozen=True)
+class Render:
+    """A pool's prefix as the engine rendered it (the same on every replica: same model)."""
+
+    prefix_len: int
+    branch_pos: int
+    prefix_hash: str
+
+
+@dataclass(frozen=True)
+class RenderFailure:
+    """The engine (or the operator's own check) refused the prefix: a spec problem."""
+
+    reason: str
+    message: str
+    at: float = field(default_factory=time.time)
+
+    def expired(self, now: float | None = None) -> bool:
+        return (now if now is not None else time.time()) - self.at > RENDER_RETRY_S
+
+
+@dataclass(frozen=True)
+class Synced:
+    """The replica incarnation whose readiness gate we turned True."""
+
+    boot_id: str
+    restarts: int
+
+
+@dataclass
+class EngineState:
+    key: EngineKey
+    admin_key: str | None = None
+    replicas: dict[str, Observation] = field(default_factory=dict)  # pod name -> last poll
+    pods: dict[str, ReplicaRef] = field(default_factory=dict)  # pod name -> last seen
+    renders: dict[str, Render | RenderFailure] = field(default_factory=dict)  # pool uid ->
+    # pool uid -> pod -> why creating it there failed (a capacity or name clash, say)
+    create_errors: dict[str, dict[str, str]] = field(default_factory=dict)
+    policy_errors: dict[str, str] = field(default_factory=dict)  # pool name -> message
+    synced: dict[str, Synced] = field(default_factory=dict)  # pod uid ->
+    deleting: set[str] = field(default_factory=set)  # pool uids whose release has begun
+    rounds: int = 0
+    mean_active_tps: float | None = None
+    # Serializes engine mutations: a round's creates against a delete handler's releases.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class Fleet:
+    """All engines this operator process serves."""
+
+    def __init__(self) -> None:
+        self.engines: dict[EngineKey, EngineState] = {}
+
+    def get(self, namespace: str, name: str) -> EngineState:
+        key = (namespace, name)
+        state = self.engines.get(key)
+        if state is None:
+            state = self.engines[key] = EngineState(key)
+        return state
+
+    def peek(self, namespace: str, name: str) -> EngineState | None:
+        return self.engines.get((namespace, name))
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.engines.pop((namespace, name), None)

@@ -1,0 +1,561 @@
+"""kopf entry points: parse what kopf hands over, call the pure modules, write the result.
+
+Run it with `kopf run -m polykv_operator.handlers` (or `polykv-operator`). Who writes what:
+
+- PolyKVEngine: create/update/resume apply its Secret, Deployment and Service; its timer
+  runs one round (sync.Round: poll each replica once, materialize, push policies, gates)
+  and is the only writer of the engine's status.
+- PolyKVPool: create/resume link it to its parent (ownerReference); its timer is the only
+  writer of its status while it lives; the delete handler (finalizer) releases it on every
+  replica, children first, and writes its status while it goes.
+- AdmissionPolicy: its timer writes its status; the engine rounds push it to the engines.
+- Pods of an engine: an event handler drops the readiness gate the moment an engine stops
+  or restarts; the engine round raises it again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import kopf
+
+from . import manifests, metrics
+from . import status as stat
+from .api import ADMISSION, ENGINE, GROUP, POOL, VERSION, PolyKVEngineSpec
+from .config import Config
+from .fleet import EngineState, Fleet, ReplicaRef
+from .gates import GATE, GateWant, must_drop
+from .kube import Kube
+from .policies import PolicyNode, select
+from .release import release_everywhere
+from .sync import EngineView, Round
+from .tree import PoolNode, children_of
+
+log = logging.getLogger("polykv.operator")
+
+CONFIG = Config.from_env()
+FLEET = Fleet()
+PREFIX = "kopf.polykv.io"
+
+
+class Runtime:
+    """Clients created at startup and closed at cleanup."""
+
+    connection: Any = None
+    http: httpx.AsyncClient | None = None
+    kube: Kube | None = None
+
+    def engine_http(self) -> httpx.AsyncClient:
+        if self.http is None:
+            self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
+        return self.http
+
+    def kube_client(self) -> Kube:
+        if self.kube is None:
+            if self.connection is None:
+                raise kopf.TemporaryError("not logged in to the API server yet", delay=1)
+            self.kube = Kube.from_connection(self.connection)
+        return self.kube
+
+
+RT = Runtime()
+EngineKwargs = dict[str, Any]
+
+
+# ------------------------------------------------------------------------ operator setup
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    CONFIG.require_master_key()  # fail fast: engines cannot be administered without it
+    # Finalizer named after what it guards: releasing pools on the engines.
+    settings.persistence.finalizer = "polykv.io/release-pools"
+    # Handler progress and the last-handled spec live in annotations: the status schema is
+    # strict and would prune status.kopf (and status belongs to our own writers).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=PREFIX, key="last-handled-configuration"
+    )
+    # Kubernetes Events for warnings and errors only: timers would flood the stream.
+    settings.posting.level = logging.WARNING
+    # Watches restart every few minutes even when the server keeps them open.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    # A replica's state is polled by our timers; a watch stall must not hide for long.
+    settings.watching.inactivity_timeout = 600
+    settings.execution.max_workers = 4  # no sync handlers do heavy work
+    # Timers succeed every interval on every object; their success is not news.
+    logging.getLogger("kopf.objects").addFilter(_QuietTimers())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
+    if CONFIG.metrics_port is not None:
+        metrics.REGISTRY.register(metrics.FleetCollector(_figures))
+        metrics.serve(CONFIG.metrics_port)
+    log.info(
+        "operator configured poll_interval_s=%s metrics_port=%s",
+        CONFIG.poll_interval_s,
+        CONFIG.metrics_port,
+    )
+
+
+class _QuietTimers(logging.Filter):
+    """Drops the per-interval "succeeded" lines of timers and of the pod event handler."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        routine = msg.startswith("Timer ") or msg.startswith("Handler 'engine_pod_event'")
+        return not (routine and msg.endswith(" succeeded."))
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    # The same credentials for kopf and for our own writes (kube.py).
+    info = kopf.login_via_client(**kwargs)
+    RT.connection = info
+    RT.kube = None
+    return info
+
+
+@kopf.on.cleanup()
+async def close(**_: Any) -> None:
+    if RT.http is not None:
+        await RT.http.aclose()
+    if RT.kube is not None:
+        await RT.kube.close()
+
+
+def _counted(kind: str, handler: str) -> Callable[[Callable[..., Awaitable[Any]]], Any]:
+    """Counts a handler's outcomes in polykv_operator_reconcile_total."""
+
+    def wrap(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        # wraps(): kopf derives the handler id (and its progress annotation) from the name.
+        @functools.wraps(fn)
+        async def run(**kwargs: Any) -> Any:
+            try:
+                out = await fn(**kwargs)
+            except kopf.TemporaryError:
+                metrics.RECONCILES.labels(kind, handler, "retry").inc()
+                raise
+            except kopf.PermanentError:
+                metrics.RECONCILES.labels(kind, handler, "permanent").inc()
+                raise
+            except Exception:
+                metrics.RECONCILES.labels(kind, handler, "error").inc()
+                raise
+            metrics.RECONCILES.labels(kind, handler, "ok").inc()
+            return out
+
+        return run
+
+    return wrap
+
+
+# ------------------------------------------------------------------------------- indexes
+
+
+@kopf.index(GROUP, VERSION, ENGINE.plural)
+def engines_idx(
+    namespace: str | None, name: str, uid: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any
+) -> dict[str, tuple[str, str, PolyKVEngineSpec, int]] | None:
+    try:
+        parsed = PolyKVEngineSpec.model_validate(dict(spec))
+    except ValueError:
+        return None
+    return {str(namespace): (name, uid, parsed, int(meta.get("generation") or 1))}
+
+
+@kopf.index(GROUP, VERSION, POOL.plural)
+def pools_idx(
+    namespace: str | None, name: str, uid: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any
+) -> dict[str, PoolNode] | None:
+    from .api import PolyKVPoolSpec
+
+    try:
+        parsed = PolyKVPoolSpec.model_validate(dict(spec))
+        parsed.source()
+    except ValueError:
+        return None
+    node = PoolNode(
+        namespace=str(namespace),
+        name=name,
+        uid=uid,
+        spec=parsed,
+        labels=dict(meta.get("labels") or {}),
+        generation=int(meta.get("generation") or 1),
+        deleting=bool(meta.get("deletionTimestamp")),
+    )
+    return {node.namespace: node}
+
+
+@kopf.index(GROUP, VERSION, ADMISSION.plural)
+def policies_idx(
+    namespace: str | None, name: str, uid: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any
+) -> dict[str, PolicyNode] | None:
+    from .api import AdmissionPolicySpec
+
+    try:
+        parsed = AdmissionPolicySpec.model_validate(dict(spec))
+    except ValueError:
+        return None
+    ns = str(namespace)
+    return {ns: PolicyNode(ns, name, uid, parsed, int(meta.get("generation") or 1))}
+
+
+@kopf.index("pods", labels={manifests.ENGINE_LABEL: kopf.PRESENT})
+def pods_idx(
+    namespace: str | None, name: str, uid: str, body: kopf.Body, labels: kopf.Labels, **_: Any
+) -> dict[tuple[str, str], ReplicaRef]:
+    return {(str(namespace), labels[manifests.ENGINE_LABEL]): replica_ref(name, uid, body)}
+
+
+def replica_ref(name: str, uid: str, body: kopf.Body | dict[str, Any]) -> ReplicaRef:
+    """The facts about an engine pod that the round and the gates need."""
+    st = body.get("status") or {}
+    containers = {c.get("name"): c for c in st.get("containerStatuses") or []}
+    c = containers.get(manifests.CONTAINER) or {}
+    state = c.get("state") or {}
+    waiting = state.get("waiting") or {}
+    gate = next(
+        (x.get("status") for x in st.get("conditions") or [] if x.get("type") == GATE), None
+    )
+    return ReplicaRef(
+        name=name,
+        uid=uid,
+        ip=st.get("podIP") or None,
+        running="running" in state,
+        ready=bool(c.get("ready")),
+        gate=gate,
+        terminating=bool(body.get("metadata", {}).get("deletionTimestamp")),
+        restarts=int(c.get("restartCount") or 0),
+        waiting_reason=waiting.get("reason"),
+        waiting_message=waiting.get("message"),
+    )
+
+
+def _ns(index: kopf.Index[Any, Any], key: Any) -> list[Any]:
+    return list(index.get(key, []))
+
+
+# ------------------------------------------------------------------------------- engines
+
+
+def _engine_state(namespace: str, name: str, uid: str) -> EngineState:
+    state = FLEET.get(namespace, name)
+    state.admin_key = manifests.admin_key(CONFIG.master_key, namespace, name, uid)
+    return state
+
+
+@kopf.on.resume(GROUP, VERSION, ENGINE.plural)
+@kopf.on.create(GROUP, VERSION, ENGINE.plural)
+@kopf.on.update(GROUP, VERSION, ENGINE.plural, field="spec")
+@_counted("engine", "apply")
+async def apply_engine(
+    body: kopf.Body, name: str, namespace: str, uid: str, spec: kopf.Spec, logger: Any, **_: Any
+) -> None:
+    """Secret (admin key), Deployment and Service, owned by the engine."""
+    try:
+        parsed = PolyKVEngineSpec.model_validate(dict(spec))
+    except ValueError as exc:
+        raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+    state = _engine_state(namespace, name, uid)
+    assert state.admin_key is not None
+    objs = [
+        manifests.admin_secret(name, state.admin_key),
+        manifests.deployment(name, parsed),
+        manifests.service(name, parsed),
+    ]
+    kopf.adopt(objs, owner=body)
+    kube = RT.kube_client()
+    for obj in objs:
+        # Secrets are merge-patched: the operator may not read them, only write them.
+        what = await kube.apply(namespace, obj, strategic=obj["kind"] != "Secret")
+        logger.info(f"{obj['kind']} {obj['metadata']['name']} {what}")
+
+
+@kopf.on.delete(GROUP, VERSION, ENGINE.plural, optional=True)
+def forget_engine(name: str, namespace: str | None, **_: Any) -> None:
+    FLEET.forget(str(namespace), name)
+
+
+@kopf.timer(GROUP, VERSION, ENGINE.plural, interval=CONFIG.poll_interval_s)
+@_counted("engine", "round")
+async def engine_round(
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: kopf.Spec,
+    meta: kopf.Meta,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    engines_idx: kopf.Index[str, Any],
+    pools_idx: kopf.Index[str, PoolNode],
+    policies_idx: kopf.Index[str, PolicyNode],
+    pods_idx: kopf.Index[tuple[str, str], ReplicaRef],
+    **_: Any,
+) -> None:
+    """Poll, converge, gate (sync.Round); then the engine's status if it changed."""
+    parsed = PolyKVEngineSpec.model_validate(dict(spec))
+    state = _engine_state(namespace, name, uid)
+    view = EngineView(
+        namespace=namespace,
+        name=name,
+        spec=parsed,
+        pods=_ns(pods_idx, (namespace, name)),
+        pools=_ns(pools_idx, namespace),
+        policies=_ns(policies_idx, namespace),
+        engines=[e[0] for e in _ns(engines_idx, namespace)],
+    )
+    kube = RT.kube_client()
+
+    async def write_gate(pod: str, want: GateWant) -> None:
+        await kube.set_gate(namespace, pod, want)
+
+    try:
+        await Round(view, state, RT.engine_http(), write_gate, CONFIG.capacity_every).run()
+        metrics.ROUNDS.labels("ok").inc()
+    except Exception:
+        metrics.ROUNDS.labels("error").inc()
+        raise
+    new = stat.engine_status(
+        parsed,
+        name,
+        int(meta.get("generation") or 1),
+        state,
+        [n for n in view.pools if n.engine == name],
+        stat.previous_conditions(status),
+        manifests.selector_string(name),
+    )
+    patch.status.update(stat.patch_for(status, new))
+
+
+# --------------------------------------------------------------------------------- pools
+
+
+def _pool_context(
+    namespace: str,
+    engines_idx: kopf.Index[str, Any],
+    pools_idx: kopf.Index[str, PoolNode],
+    policies_idx: kopf.Index[str, PolicyNode],
+) -> stat.PoolContext:
+    pools = _ns(pools_idx, namespace)
+    engines = [e[0] for e in _ns(engines_idx, namespace)]
+    fleet = {e: s for e in engines if (s := FLEET.peek(namespace, e)) is not None}
+    selection = select(_ns(policies_idx, namespace), {n.name: dict(n.labels) for n in pools})
+    return stat.PoolContext(
+        pools={n.name: n for n in pools}, engines=engines, fleet=fleet, selection=selection
+    )
+
+
+def _me(namespace: str, name: str, pools_idx: kopf.Index[str, PoolNode]) -> PoolNode:
+    for node in _ns(pools_idx, namespace):
+        if node.name == name:
+            assert isinstance(node, PoolNode)
+            return node
+    # The index lags the event by a moment, or the spec does not parse (CEL prevents that).
+    raise kopf.TemporaryError(f"pool {namespace}/{name} is not indexed yet", delay=1)
+
+
+@kopf.on.resume(GROUP, VERSION, POOL.plural)
+@kopf.on.create(GROUP, VERSION, POOL.plural)
+@_counted("pool", "link")
+async def link_parent(
+    body: kopf.Body,
+    name: str,
+    namespace: str,
+    spec: kopf.Spec,
+    patch: kopf.Patch,
+    pools_idx: kopf.Index[str, PoolNode],
+    **_: Any,
+) -> None:
+    """A child pool is owned by its parent: deleting a root removes the tree (and tools that
+    follow ownerReferences show it). Waits for a missing parent; refuses a cycle."""
+    parent = spec.get("parent")
+    if not parent:
+        return
+    if parent == name:
+        raise kopf.PermanentError("a pool cannot be its own parent")
+    found = next((n for n in _ns(pools_idx, namespace) if n.name == parent), None)
+    if found is None:
+        # The status says ParentNotFound meanwhile; a parent applied later is picked up.
+        raise kopf.TemporaryError(f'parent "{parent}" does not exist yet', delay=10)
+    refs = list(body.meta.get("ownerReferences") or [])
+    if any(r.get("uid") == found.uid for r in refs):
+        return
+    refs.append(
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": POOL.kind,
+            "name": found.name,
+            "uid": found.uid,
+            "controller": False,
+            "blockOwnerDeletion": True,
+        }
+    )
+    patch.metadata["ownerReferences"] = refs
+
+
+@kopf.timer(GROUP, VERSION, POOL.plural, interval=CONFIG.poll_interval_s)
+@_counted("pool", "status")
+async def pool_status(
+    name: str,
+    namespace: str,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    engines_idx: kopf.Index[str, Any],
+    pools_idx: kopf.Index[str, PoolNode],
+    policies_idx: kopf.Index[str, PolicyNode],
+    **_: Any,
+) -> None:
+    """The pool's status from the last engine round (no engine calls here)."""
+    node = _me(namespace, name, pools_idx)
+    ctx = _pool_context(namespace, engines_idx, pools_idx, policies_idx)
+    new = stat.pool_status(node, ctx, stat.previous_conditions(status))
+    patch.status.update(stat.patch_for(status, new))
+
+
+@kopf.on.delete(GROUP, VERSION, POOL.plural)
+@_counted("pool", "release")
+async def release_pool(
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    engines_idx: kopf.Index[str, Any],
+    pools_idx: kopf.Index[str, PoolNode],
+    pods_idx: kopf.Index[tuple[str, str], ReplicaRef],
+    **_: Any,
+) -> None:
+    """Children first (deleted by us, whatever the propagation policy), then this pool on
+    every replica. An unreachable replica keeps the finalizer."""
+    pools = _ns(pools_idx, namespace)
+    children = children_of(name, pools)
+    if children:
+        kube = RT.kube_client()
+        for child in children:
+            if not child.deleting:
+                await kube.delete_pool(namespace, child.name)
+        names = ", ".join(c.name for c in children)
+        _deleting_status(status, patch, "DeletingChildren", f"child pools go first: {names}")
+        raise kopf.TemporaryError(f"waiting for child pools to be deleted: {names}", delay=1)
+    engine = str((spec.get("engineRef") or {}).get("name", ""))
+    entry = next((e for e in _ns(engines_idx, namespace) if e[0] == engine), None)
+    if entry is None:
+        return  # no engine, no replicas: nothing holds the pool
+    state = _engine_state(namespace, engine, entry[1])
+    state.deleting.add(uid)
+    pods = _ns(pods_idx, (namespace, engine))
+    out = await release_everywhere(state, pods, RT.engine_http(), entry[2].port, name)
+    if out.done:
+        state.renders.pop(uid, None)
+        state.create_errors.pop(uid, None)
+        state.deleting.discard(uid)
+        return
+    if out.unreachable:
+        pod, err = sorted(out.unreachable.items())[0]
+        reason = "EngineUnreachable"
+        msg = (
+            f"replica {pod} does not answer ({err}); the pool stays (and this finalizer) "
+            "until it can be released there"
+        )
+    else:
+        pod, err = sorted(out.blocked.items())[0]
+        reason = "ReleaseRefused"
+        msg = f"replica {pod} refused to release it: {err}"
+    _deleting_status(status, patch, reason, msg, unknown=bool(out.unreachable))
+    raise kopf.TemporaryError(msg, delay=3)
+
+
+def _deleting_status(
+    status: kopf.Status, patch: kopf.Patch, reason: str, message: str, unknown: bool = False
+) -> None:
+    from .conditions import Verdict, conditions_for
+
+    verdict = Verdict.unknown(reason, message) if unknown else Verdict.reconciling(reason, message)
+    conds = conditions_for(verdict, stat.previous_conditions(status), None)
+    wire = [c.wire() for c in conds]
+    if status.get("conditions") != wire:
+        patch.status["conditions"] = wire
+
+
+# ---------------------------------------------------------------------------- policies
+
+
+@kopf.timer(GROUP, VERSION, ADMISSION.plural, interval=CONFIG.poll_interval_s)
+@_counted("admissionpolicy", "status")
+async def policy_status(
+    name: str,
+    namespace: str,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    engines_idx: kopf.Index[str, Any],
+    pools_idx: kopf.Index[str, PoolNode],
+    policies_idx: kopf.Index[str, PolicyNode],
+    **_: Any,
+) -> None:
+    """Where the policy is in effect (the engine rounds do the pushing)."""
+    me = next((p for p in _ns(policies_idx, namespace) if p.name == name), None)
+    if me is None:
+        raise kopf.TemporaryError(f"policy {namespace}/{name} is not indexed yet", delay=1)
+    ctx = _pool_context(namespace, engines_idx, pools_idx, policies_idx)
+    new = stat.policy_status(
+        me, ctx.selection, ctx.pools, ctx.fleet, stat.previous_conditions(status)
+    )
+    patch.status.update(stat.patch_for(status, new))
+
+
+# -------------------------------------------------------------------------------- pods
+
+
+@kopf.on.event("pods", labels={manifests.ENGINE_LABEL: kopf.PRESENT})
+async def engine_pod_event(
+    name: str, namespace: str | None, uid: str, body: kopf.Body, labels: kopf.Labels, **_: Any
+) -> None:
+    """Drops the readiness gate as soon as an engine stops or restarts: its KV is gone, and
+    the Service must not route to it until the next round re-materializes the tree."""
+    state = FLEET.peek(str(namespace), labels.get(manifests.ENGINE_LABEL, ""))
+    if state is None or namespace is None:
+        return
+    pod = replica_ref(name, uid, body)
+    want = must_drop(pod, state.synced.get(uid))
+    if want is None:
+        return
+    state.synced.pop(uid, None)
+    await RT.kube_client().set_gate(namespace, name, want)
+    log.info("readiness gate dropped ns=%s pod=%s reason=%s", namespace, name, want.reason)
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+def _figures() -> list[metrics.EngineFigures]:
+    out = []
+    for (ns, name), state in list(FLEET.engines.items()):
+        pods = [p for p in state.pods.values() if not p.terminating]
+        floor = None
+        if state.mean_active_tps:
+            targets = [
+                float(p.admission.target_tps_per_session)
+                for o in state.replicas.values()
+                if o.listing is not None
+                for p in o.listing.pools
+                if p.admission is not None
+            ]
+            if targets:
+                floor = round(max(targets) / state.mean_active_tps, 3)
+        out.append(
+            metrics.EngineFigures(
+                ns,
+                name,
+                replicas=len(pods),
+                synced=len([p for p in pods if p.gate == "True"]),
+                pools=len([r for r in state.renders.values() if hasattr(r, "prefix_len")]),
+                mean_active_tps=state.mean_active_tps,
+                floor_pressure=floor,
+            )
+        )
+    return out

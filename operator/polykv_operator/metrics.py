@@ -1,0 +1,105 @@
+"""Prometheus metrics of the operator (names prefixed polykv_, labels low-cardinality).
+
+Event counts and latencies are plain Counters/Histograms; fleet gauges come from a
+Collector that reads the in-memory fleet at scrape time, so they never go stale.
+HPA/KEDA read `polykv_engine_floor_pressure` (target tps / mean active tps; above 1 means
+sessions run below the floor), a figure that falls as replicas are added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+RECONCILES = Counter(
+    "polykv_operator_reconcile",
+    "Handler runs by kind and result (ok, retry, error, permanent)",
+    ["kind", "handler", "result"],
+    registry=REGISTRY,
+)
+POLLS = Histogram(
+    "polykv_operator_engine_poll_seconds",
+    "Time to poll one engine replica (GET /polykv/pools, plus capacity on some rounds)",
+    ["result"],
+    registry=REGISTRY,
+)
+ENGINE_CALLS = Histogram(
+    "polykv_operator_engine_request_seconds",
+    "Engine API calls by operation and result (ok, rejected, error)",
+    ["op", "result"],
+    registry=REGISTRY,
+)
+ROUNDS = Counter(
+    "polykv_operator_engine_rounds",
+    "Engine rounds (poll, converge, gate) by result",
+    ["result"],
+    registry=REGISTRY,
+)
+
+
+class EngineFigures:
+    """One engine's figures at scrape time."""
+
+    def __init__(
+        self,
+        namespace: str,
+        engine: str,
+        replicas: int,
+        synced: int,
+        pools: int,
+        mean_active_tps: float | None,
+        floor_pressure: float | None,
+    ) -> None:
+        self.namespace, self.engine = namespace, engine
+        self.replicas, self.synced, self.pools = replicas, synced, pools
+        self.mean_active_tps, self.floor_pressure = mean_active_tps, floor_pressure
+
+
+class FleetCollector(Collector):
+    """Gauges read from the fleet when Prometheus scrapes."""
+
+    def __init__(self, figures: Callable[[], list[EngineFigures]]) -> None:
+        self.figures = figures
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["namespace", "engine"]
+        replicas = GaugeMetricFamily(
+            "polykv_engine_replicas", "Engine pods that exist", labels=labels
+        )
+        synced = GaugeMetricFamily(
+            "polykv_engine_replicas_pools_ready",
+            "Engine pods whose readiness gate is True (every declared pool on them)",
+            labels=labels,
+        )
+        pools = GaugeMetricFamily(
+            "polykv_engine_pools", "Declared pools materialized on every replica", labels=labels
+        )
+        tps = GaugeMetricFamily(
+            "polykv_engine_mean_active_tps",
+            "Mean experienced decode tokens/s of the fleet's decoding sessions",
+            labels=labels,
+        )
+        pressure = GaugeMetricFamily(
+            "polykv_engine_floor_pressure",
+            "Highest admission floor over the engine's pools divided by mean active tps",
+            labels=labels,
+        )
+        for f in self.figures():
+            key = [f.namespace, f.engine]
+            replicas.add_metric(key, f.replicas)
+            synced.add_metric(key, f.synced)
+            pools.add_metric(key, f.pools)
+            if f.mean_active_tps is not None:
+                tps.add_metric(key, f.mean_active_tps)
+            if f.floor_pressure is not None:
+                pressure.add_metric(key, f.floor_pressure)
+        yield from (replicas, synced, pools, tps, pressure)
+
+
+def serve(port: int) -> None:
+    start_http_server(port, registry=REGISTRY)
