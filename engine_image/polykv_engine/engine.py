@@ -324,7 +324,16 @@ class Engine:
             raise PoolError(501, self.pools_disabled_reason, "not_supported_error")
         pool = self.pools.tree.resolve(task.pool_ref)
         if pool.residency != "resident":
-            fut = self.pools.ensure_resident(pool)
+            try:
+                fut = self.pools.ensure_resident(pool)
+            except PoolError as exc:
+                if exc.type != "capacity_error":
+                    raise
+                # No sequence id to re-materialize the evicted pool into: serve the request
+                # without it (full prefill, same output) rather than fail the user's turn.
+                log.warning("pool %s: attach falls back to a full prefill: %s", pool.label, exc)
+                task.pool_fallback = exc.message
+                return True
             if fut.done() and fut.exception() is not None:
                 exc = fut.exception()
                 raise exc if isinstance(exc, PoolError) else PoolError(500, str(exc))

@@ -105,6 +105,8 @@ def _headers(req: SamplingFields, task: GenerateTask) -> dict[str, str]:
     if task.pool is not None:
         headers["x-pool-id"] = str(task.pool.pool_id)
         headers["x-cached-prefix-tokens"] = str(task.shared_prefix)
+    if task.pool_fallback is not None:
+        headers["x-pool-fallback"] = task.pool_fallback
     return headers
 
 

@@ -93,5 +93,6 @@ class GenerateTask:
     submitted_at: float = 0.0
     # Filled in on the engine thread:
     pool: Pool | None = None
+    pool_fallback: str | None = None  # why the pool could not be used (served without it)
     shared_prefix: int = 0
     slot: int = -1

@@ -7,6 +7,7 @@ what the engine should hold checks that refusals (409/404) happen exactly when e
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import httpx
@@ -109,7 +110,11 @@ def test_pool_api_state_machine(start_engine: Callable[..., EngineProcess]) -> N
                 json={"prompt": tokens + suffix, "n_predict": 3, "temperature": 0, "pool_id": name},
             )
             assert r.status_code == 200, r.text
-            assert r.json()["timings"]["cache_n"] >= len(tokens) - 1 or len(tokens) == 1
+            if "x-pool-fallback" in r.headers:
+                # Evicted and no sequence id left to re-materialize it: served unpooled.
+                assert self._free_seqs() == 0, r.headers["x-pool-fallback"]
+            else:
+                assert r.json()["timings"]["cache_n"] >= len(tokens) - 1 or len(tokens) == 1
 
         @precondition(lambda self: bool(self.pools))
         @rule(data=st.data(), action=st.sampled_from(["pin", "unpin"]))
@@ -160,6 +165,8 @@ def test_pool_api_state_machine(start_engine: Callable[..., EngineProcess]) -> N
         max_examples=25,
         stateful_step_count=15,
         deadline=None,
+        # CI explores the same sequences every run (set POLYKV_HYPOTHESIS_EXPLORE=1 to roam).
+        derandomize=not os.environ.get("POLYKV_HYPOTHESIS_EXPLORE"),
         # Each step is real HTTP against a real model: shrinking would take many minutes.
         phases=[Phase.explicit, Phase.reuse, Phase.generate],
         suppress_health_check=[HealthCheck.too_slow],

@@ -1,0 +1,233 @@
+"""An in-memory stand-in for an engine replica's pool API, served through httpx.MockTransport.
+
+Tokens are the prompt's characters (or the messages' contents joined), so tests can reason
+about prefix lengths and branch positions by counting characters.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from polykv_api.models import (
+    AdmissionPolicy,
+    CapacityReport,
+    PoolCreated,
+    PoolList,
+    PoolStatus,
+)
+
+
+def tokens_of(body: dict[str, Any]) -> list[int]:
+    if body.get("tokens") is not None:
+        return list(body["tokens"])
+    if body.get("prompt") is not None:
+        return [ord(c) for c in body["prompt"]]
+    text = "".join(f"<{m['role']}>{m['content']}" for m in body["messages"])
+    if body.get("tools"):
+        text = f"[{len(body['tools'])} tools]" + text
+    return [ord(c) for c in text]
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@dataclass
+class FakePool:
+    pool_id: int
+    name: str
+    parent: str | None
+    tokens: list[int]
+    branch_pos: int
+    admission: AdmissionPolicy | None = None
+
+    def status(self) -> PoolStatus:
+        return PoolStatus(
+            pool_id=self.pool_id,
+            name=self.name,
+            parent=None,
+            parent_name=self.parent,
+            branch_pos=self.branch_pos,
+            prefix_len=len(self.tokens),
+            prefix_hash=f"{hash(tuple(self.tokens)) & 0xFFFFFFFF:08x}",
+            own_kv_bytes=(len(self.tokens) - self.branch_pos) * 8,
+            subtree_kv_bytes=len(self.tokens) * 8,
+            residency="resident",
+            pinned=False,
+            pinned_explicit=False,
+            orphaned_pin=False,
+            created_ts=0.0,
+            last_access_ts=0.0,
+            depth=0,
+            path=self.name,
+            children=[],
+            sessions=[],
+            seq_id=self.pool_id,
+            admission=self.admission,
+        )
+
+
+@dataclass
+class FakeEngine:
+    boot_id: str = "boot-1"
+    max_pools: int = 8
+    n_ctx: int = 4096
+    pools: dict[str, FakePool] = field(default_factory=dict)
+    down: bool = False  # answer nothing (connection refused)
+    calls: list[str] = field(default_factory=list)
+    next_id: int = 1
+
+    def restart(self, boot_id: str) -> None:
+        self.boot_id, self.pools, self.next_id = boot_id, {}, 1
+
+    # -- HTTP ------------------------------------------------------------------------
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        path, method = request.url.path, request.method
+        self.calls.append(f"{method} {path}")
+        body = json.loads(request.content) if request.content else {}
+        parts = path.strip("/").split("/")  # polykv pools [ref] [verb]
+        if path == "/polykv/pools" and method == "GET":
+            return self._json(200, self.listing().model_dump())
+        if path == "/polykv/pools" and method == "POST":
+            return self._create(body, None)
+        ref = parts[2] if len(parts) > 2 else ""
+        verb = parts[3] if len(parts) > 3 else ""
+        if verb == "fork":
+            return self._create(body, ref)
+        if ref not in self.pools:
+            return self._error(404, f"pool {ref!r} does not exist", "not_found_error")
+        pool = self.pools[ref]
+        if verb == "" and method == "DELETE":
+            if any(p.parent == ref for p in self.pools.values()):
+                return self._error(409, f"pool {ref!r} has child pools; release them first")
+            del self.pools[ref]
+            return self._json(200, {"released": pool.pool_id, "boot_id": self.boot_id})
+        if verb == "admission":
+            pool.admission = AdmissionPolicy.model_validate(body) if method == "POST" else None
+            return self._json(200, pool.status().model_dump())
+        if verb == "capacity":
+            return self._json(200, self.capacity(pool).model_dump())
+        return self._error(400, f"unsupported {method} {path}")
+
+    def listing(self) -> PoolList:
+        return PoolList(
+            boot_id=self.boot_id,
+            pools=[p.status() for p in self.pools.values()],
+            tree_depth=1,
+            seq_ids_used=len(self.pools),
+            seq_ids_max=self.max_pools,
+            kv_cells_used=0,
+            kv_cells_total=self.n_ctx,
+            kv_bytes_per_token=8,
+            kv_bytes_used=0,
+        )
+
+    def capacity(self, pool: FakePool) -> CapacityReport:
+        return CapacityReport(
+            pool_id=pool.pool_id,
+            can_admit=True,
+            reason="guaranteed minimum",
+            projected_mean_tps_if_admitted=None,
+            projected_mean_tps_model=None,
+            projected_mean_tps_measured=None,
+            projected_idle_estimate=False,
+            drop_per_admit_ewma=None,
+            headroom_sessions=3,
+            kv_headroom_pct=90.0,
+            settling=False,
+            settle_remaining_ms=0.0,
+            n_warming=0,
+            n_active=0,
+            mean_active_tps=0.0,
+            n_pool_sessions=0,
+            guaranteed=True,
+            known_session=False,
+            compaction_pressure=0.25,
+            policy=pool.admission,
+        )
+
+    def _create(self, body: dict[str, Any], parent_ref: str | None) -> httpx.Response:
+        tokens = tokens_of(body)
+        if len(tokens) >= self.n_ctx:
+            return self._error(400, "prompt too long", "exceed_context_size_error")
+        name = body["name"]
+        parent = self.pools.get(parent_ref) if parent_ref else None
+        if parent_ref and parent is None:
+            return self._error(404, f"pool {parent_ref!r} does not exist", "not_found_error")
+        existing = self.pools.get(name)
+        if existing is not None:
+            if existing.tokens != tokens:
+                return self._error(409, f"pool {name!r} already exists with a different prefix")
+            return self._created(existing, created=False, status=200)
+        d = 0
+        if parent is not None:
+            shared = lcp(parent.tokens, tokens)
+            d = body.get("branch_pos") or shared
+            if d > len(parent.tokens):
+                return self._error(409, f"branch_pos {d} is beyond the end of parent")
+            if d == 0:
+                return self._error(409, "the child shares no tokens with parent")
+        pool = FakePool(self.next_id, name, parent_ref, tokens, d)
+        if body.get("dry_run"):
+            return self._json(
+                200,
+                PoolCreated(
+                    created=False,
+                    dry_run=True,
+                    prefix_len=len(tokens),
+                    branch_pos=d,
+                    prefix_hash=pool.status().prefix_hash,
+                    boot_id=self.boot_id,
+                ).model_dump(),
+            )
+        if len(self.pools) >= self.max_pools:
+            return self._error(409, "no free pool sequence id: all in use", "capacity_error")
+        self.next_id += 1
+        self.pools[name] = pool
+        return self._created(pool, created=True, status=201)
+
+    def _created(self, pool: FakePool, created: bool, status: int) -> httpx.Response:
+        st = pool.status()
+        out = PoolCreated(
+            created=created,
+            pool=st,
+            pool_id=st.pool_id,
+            prefix_len=st.prefix_len,
+            branch_pos=st.branch_pos,
+            prefix_hash=st.prefix_hash,
+            boot_id=self.boot_id,
+        )
+        return self._json(status, out.model_dump())
+
+    @staticmethod
+    def _json(status: int, body: Any) -> httpx.Response:
+        return httpx.Response(status, json=body)
+
+    @staticmethod
+    def _error(status: int, message: str, etype: str = "invalid_request_error") -> httpx.Response:
+        return httpx.Response(
+            status, json={"error": {"code": status, "message": message, "type": etype}}
+        )
+
+
+class FakeFleet:
+    """Several fake replicas behind one transport, addressed by IP."""
+
+    def __init__(self, engines: dict[str, FakeEngine]) -> None:
+        self.engines = engines  # ip -> engine
+
+    def transport(self) -> httpx.MockTransport:
+        def route(request: httpx.Request) -> httpx.Response:
+            return self.engines[request.url.host](request)
+
+        return httpx.MockTransport(route)
