@@ -335,8 +335,8 @@ class Engine:
                 task.pool_fallback = exc.message
                 return True
             if fut.done() and fut.exception() is not None:
-                exc = fut.exception()
-                raise exc if isinstance(exc, PoolError) else PoolError(500, str(exc))
+                failure = fut.exception()
+                raise failure if isinstance(failure, PoolError) else PoolError(500, str(failure))
             return False
         task.pool = pool
         return True
