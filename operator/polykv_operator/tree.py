@@ -70,7 +70,7 @@ def chain(node: PoolNode, pools: Mapping[str, PoolNode]) -> list[PoolNode] | Pro
                 + ("" if current is node else f' (an ancestor of "{node.name}")'),
             )
         if parent.name in seen:
-            loop = " -> ".join([n.name for n in reversed(out)] + [parent.name])
+            loop = " -> ".join([n.name for n in out] + [parent.name])
             return Problem("ParentCycle", f"spec.parent forms a cycle: {loop}")
         if parent.engine != current.engine:
             return Problem(

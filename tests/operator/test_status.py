@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from polykv_api.models import AdmissionPolicy, PoolSession
-
 from polykv_operator.api import Condition
 from polykv_operator.fleet import EngineState, Observation, Render, RenderFailure
 from polykv_operator.policies import engine_policy, select
@@ -28,8 +27,12 @@ def state_with(replicas: dict[str, FakeEngine | None], renders=None) -> EngineSt
         ip = f"10.0.0.{i + 1}"
         st.pods[name] = pod(name, ip)
         st.replicas[name] = Observation(
-            name, f"uid-{name}", ip, eng is not None,
-            None if eng else "timeout", eng.listing() if eng else None,
+            name,
+            f"uid-{name}",
+            ip,
+            eng is not None,
+            None if eng else "timeout",
+            eng.listing() if eng else None,
         )
     st.renders.update(renders or {})
     return st
@@ -110,15 +113,24 @@ def test_live_figures_are_summed_and_rounded() -> None:
     listing = st.replicas["a"].listing
     assert listing is not None
     listing.pools[0].sessions = [
-        PoolSession(session_id=f"s{i}", slot=i, shared_prefix_tokens=4, suffix_n_tokens=2,
-                    marginal_kv_bytes=16, tps_ewma=tps, state="decoding")
+        PoolSession(
+            session_id=f"s{i}",
+            slot=i,
+            shared_prefix_tokens=4,
+            suffix_n_tokens=2,
+            marginal_kv_bytes=16,
+            tps_ewma=tps,
+            state="decoding",
+        )
         for i, tps in enumerate((10.04, 12.0))
     ]
     st.replicas["a"].capacity["root"] = FakeEngine().capacity(eng.pools["root"])
     out = pool_status(ROOT, ctx([ROOT], {"eng": st}), None)
     assert out.sessions == 2 and out.mean_active_tps == 11.0
     assert out.compaction_pressure == 0.25
-    assert out.capacity is not None and out.capacity.can_admit and out.capacity.headroom_sessions == 3
+    assert (
+        out.capacity is not None and out.capacity.can_admit and out.capacity.headroom_sessions == 3
+    )
 
 
 def test_engine_status() -> None:
@@ -136,8 +148,9 @@ def test_engine_status() -> None:
 
 def test_engine_status_stalls_on_crash_loop() -> None:
     st = EngineState((NS, "eng"), rounds=1)
-    st.pods["a"] = pod("a", None, ready=False, waiting_reason="CrashLoopBackOff",
-                       waiting_message="back-off 10s")
+    st.pods["a"] = pod(
+        "a", None, ready=False, waiting_reason="CrashLoopBackOff", waiting_message="back-off 10s"
+    )
     out = engine_status(engine_spec(), "eng", 1, st, [], None, "s")
     stalled = {c.type: c for c in out.conditions or []}["Stalled"]
     assert stalled.status == "True" and stalled.reason == "CrashLoopBackOff"

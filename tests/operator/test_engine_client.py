@@ -1,0 +1,68 @@
+"""The engine client's two kinds of failure, and its typed answers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from polykv_operator.engine_client import EngineClient, EngineRejected, EngineUnreachable
+
+from .fake_engine import FakeEngine
+
+
+def client(handler) -> EngineClient:  # type: ignore[no-untyped-def]
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return EngineClient(http, "http://10.0.0.1:8080", "secret")
+
+
+def test_typed_round_trip_and_auth_header() -> None:
+    eng = FakeEngine()
+    seen: list[str] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.append(req.headers["Authorization"])
+        return eng(req)
+
+    c = client(handler)
+
+    async def go() -> None:
+        made = await c.create(None, {"name": "root", "prompt": "hello"})
+        assert made.created and made.prefix_len == 5
+        listing = await c.list_pools()
+        assert [p.name for p in listing.pools] == ["root"]
+        assert await c.release("root") is True
+        assert await c.release("root") is False  # 404: nothing to release
+
+    asyncio.run(go())
+    assert set(seen) == {"Bearer secret"}
+
+
+def test_4xx_is_rejected_with_the_engines_message() -> None:
+    c = client(FakeEngine())
+    with pytest.raises(EngineRejected) as info:
+        asyncio.run(c.create("missing", {"name": "x", "prompt": "y"}))
+    assert info.value.status == 404 and "does not exist" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        httpx.Response(503, json={"error": {"code": 503, "message": "Loading model", "type": "x"}}),
+        httpx.Response(
+            401, json={"error": {"code": 401, "message": "Invalid API Key", "type": "x"}}
+        ),
+        httpx.Response(200, text="not json"),
+    ],
+)
+def test_no_usable_answer_is_unreachable(response: httpx.Response) -> None:
+    c = client(lambda req: response)
+    with pytest.raises(EngineUnreachable):
+        asyncio.run(c.list_pools())
+
+
+def test_connection_error_is_unreachable() -> None:
+    eng = FakeEngine(down=True)
+    with pytest.raises(EngineUnreachable, match="ConnectError"):
+        asyncio.run(client(eng).list_pools())

@@ -1,0 +1,110 @@
+"""What the handlers parse from pods, the metrics collector and the CLI wrapper."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from polykv_operator import cli, handlers, metrics
+from polykv_operator.config import Config, ConfigError
+from polykv_operator.fleet import Fleet, Observation
+
+from .builders import pod
+from .fake_engine import FakeEngine, FakePool
+
+
+def test_replica_ref_from_a_pod() -> None:
+    body = {
+        "metadata": {"name": "e-1", "deletionTimestamp": None},
+        "status": {
+            "podIP": "127.0.0.3",
+            "conditions": [
+                {"type": "Ready", "status": "False"},
+                {"type": "polykv.io/pools-ready", "status": "True"},
+            ],
+            "containerStatuses": [
+                {
+                    "name": "engine",
+                    "ready": True,
+                    "restartCount": 2,
+                    "state": {"running": {"startedAt": "now"}},
+                }
+            ],
+        },
+    }
+    ref = handlers.replica_ref("e-1", "u1", body)
+    assert (ref.ip, ref.running, ref.ready, ref.gate, ref.restarts) == (
+        "127.0.0.3",
+        True,
+        True,
+        "True",
+        2,
+    )
+    assert not ref.terminating
+    waiting = {
+        "metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"},
+        "status": {
+            "containerStatuses": [
+                {"name": "engine", "state": {"waiting": {"reason": "CrashLoopBackOff"}}}
+            ]
+        },
+    }
+    ref = handlers.replica_ref("e-2", "u2", waiting)
+    assert ref.terminating and not ref.running and ref.waiting_reason == "CrashLoopBackOff"
+    assert ref.gate is None and ref.ip is None
+
+
+def test_fleet_collector_exports_floor_pressure(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    fleet = Fleet()
+    st = fleet.get("ns", "eng")
+    eng = FakeEngine()
+    pool = FakePool(1, "root", None, [1], 0)
+    from polykv_operator.policies import engine_policy
+
+    from .builders import policy
+
+    pool.admission = engine_policy(policy("p", targetTpsPerSession=6).spec)
+    eng.pools["root"] = pool
+    st.pods["a"] = pod("a", "1.1.1.1", gate="True")
+    st.replicas["a"] = Observation("a", "uid-a", "1.1.1.1", True, None, eng.listing())
+    st.mean_active_tps = 12.0
+    monkeypatch.setattr(handlers, "FLEET", fleet)
+    reg = CollectorRegistry()
+    reg.register(metrics.FleetCollector(handlers._figures))
+    text = generate_latest(reg).decode()
+    assert 'polykv_engine_floor_pressure{engine="eng",namespace="ns"} 0.5' in text
+    assert 'polykv_engine_replicas_pools_ready{engine="eng",namespace="ns"} 1.0' in text
+    assert "polykv_engine_mean_active_tps" in text
+
+
+def test_reconcile_counter_is_registered() -> None:
+    text = generate_latest(metrics.REGISTRY).decode()
+    assert "polykv_operator_reconcile_total" in text
+    assert "polykv_operator_engine_poll_seconds" in text
+
+
+def test_cli_runs_kopf_with_the_handlers() -> None:
+    assert cli.argv(["--all-namespaces"]) == [
+        "kopf",
+        "run",
+        "--standalone",
+        "--all-namespaces",
+        "-m",
+        "polykv_operator.handlers",
+    ]
+    assert "--standalone" not in cli.argv(["--peering", "x"])
+
+
+def test_config_from_env(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    cfg = Config.from_env(
+        {"POLYKV_OPERATOR_MASTER_KEY_FILE": str(key), "POLYKV_OPERATOR_POLL_INTERVAL": "0.5"}
+    )
+    assert cfg.master_key == "s3cret" and cfg.poll_interval_s == 0.5
+    assert cfg.metrics_port is None
+    try:
+        Config.from_env({}).require_master_key()
+    except ConfigError as exc:
+        assert "POLYKV_OPERATOR_MASTER_KEY" in str(exc)
+    else:
+        raise AssertionError("a missing master key must be refused")
