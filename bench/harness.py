@@ -1,0 +1,481 @@
+"""Plumbing every PolyKV benchmark shares.
+
+* servers: the engine (``polykv_engine.launch.EngineProcess``) and any other HTTP server
+  started from a command line (``ServerProcess``), each on a free port, logging to
+  ``bench/results/<label>.log`` (git-ignored);
+* clients: streamed completions timed per event (``sse_events``), k requests released at
+  the same instant (``run_together``), Prometheus scrapes (``scrape_metrics``);
+* statistics: repeat-and-summarise (``Summary``: median, min, max, spread);
+* noise accounting: how many cores *other* processes used while we measured (``CpuWatch``);
+* output: ``bench/results/<name>.json`` + ``.md`` and the README table between
+  ``<!-- bench:<name>:start -->`` / ``<!-- bench:<name>:end -->`` (``publish``).
+
+Progress goes to stderr; the final table goes to stdout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from polykv_engine.launch import EngineProcess, free_port
+
+T = TypeVar("T")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
+README = REPO_ROOT / "README.md"
+MODEL_ENV = "POLYKV_BENCH_MODEL"
+DEFAULT_MODEL = REPO_ROOT / "models" / "polykv-bench.gguf"
+
+# Both servers under test load the same libllama; give its OpenMP runtime the same policy
+# (the engine defaults to passive itself, see engine_feasibility.md §6).
+SERVER_ENV = {"OMP_WAIT_POLICY": "passive"}
+
+_T0 = time.monotonic()
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not produce a valid measurement."""
+
+
+def progress(msg: str) -> None:
+    print(f"[bench {time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """Repeated measurements of one quantity."""
+
+    values: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def lo(self) -> float:
+        return min(self.values)
+
+    @property
+    def hi(self) -> float:
+        return max(self.values)
+
+    @property
+    def spread_pct(self) -> float:
+        """(max - min) / median, in percent: how much the repeats disagree."""
+        m = self.median
+        return 100.0 * (self.hi - self.lo) / abs(m) if m else 0.0
+
+    def fmt(self, digits: int = 0, scale: float = 1.0, unit: str = "") -> str:
+        """``median (min–max)``; a single value prints alone."""
+        f = f"{{:.{digits}f}}"
+        med = f.format(self.median * scale) + unit
+        if len(self.values) < 2:
+            return med
+        return f"{med} ({f.format(self.lo * scale)}–{f.format(self.hi * scale)})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "median": self.median,
+            "min": self.lo,
+            "max": self.hi,
+            "spread_pct": round(self.spread_pct, 2),
+            "n": len(self.values),
+            "values": list(self.values),
+        }
+
+
+def summarize(values: Sequence[float]) -> Summary:
+    if not values:
+        raise BenchError("nothing to summarise")
+    return Summary(tuple(float(v) for v in values))
+
+
+def repeat(fn: Callable[[int], T], reps: int, label: str) -> list[T]:
+    """Call ``fn(rep)`` ``reps`` times, with progress."""
+    out: list[T] = []
+    for rep in range(reps):
+        progress(f"{label}: repeat {rep + 1}/{reps}")
+        out.append(fn(rep))
+    return out
+
+
+def merged_length(intervals: Sequence[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end] intervals."""
+    total = 0.0
+    cur_s: float | None = None
+    cur_e = 0.0
+    for s, e in sorted(intervals):
+        if cur_s is None or s > cur_e:
+            if cur_s is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_s is not None:
+        total += cur_e - cur_s
+    return total
+
+
+# ---------------------------------------------------------------------------- CPU noise
+
+
+def _busy_jiffies() -> int:
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal ...: idle and iowait are not busy.
+    return sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)
+
+
+def _pid_jiffies(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
+    except OSError:
+        return 0
+    # Fields after the ")" of the command name: utime and stime are the 12th and 13th.
+    rest = raw.rsplit(")", 1)[1].split()
+    return int(rest[11]) + int(rest[12])
+
+
+_HZ = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(slots=True)
+class CpuWatch:
+    """Cores used by this process + the servers under test, and by everything else."""
+
+    pids: Sequence[int]
+    own_cores: float = 0.0
+    foreign_cores: float = 0.0
+    _t: float = 0.0
+    _busy: int = 0
+    _own: int = 0
+
+    def _own_now(self) -> int:
+        return sum(_pid_jiffies(p) for p in {os.getpid(), *self.pids})
+
+    def __enter__(self) -> CpuWatch:
+        self._t = time.monotonic()
+        self._busy = _busy_jiffies()
+        self._own = self._own_now()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dt = max(time.monotonic() - self._t, 1e-6)
+        busy = (_busy_jiffies() - self._busy) / _HZ
+        own = (self._own_now() - self._own) / _HZ
+        self.own_cores = own / dt
+        self.foreign_cores = max(busy - own, 0.0) / dt
+
+
+def cpu_busy_now(seconds: float = 1.0) -> float:
+    """Cores busy (all processes) over the next ``seconds``."""
+    b0, t0 = _busy_jiffies(), time.monotonic()
+    time.sleep(seconds)
+    return (_busy_jiffies() - b0) / _HZ / (time.monotonic() - t0)
+
+
+def wait_for_quiet(max_busy_cores: float, max_wait_s: float) -> float:
+    """Wait (bounded) until other work leaves the CPU mostly idle; returns the last reading."""
+    deadline = time.monotonic() + max_wait_s
+    busy = cpu_busy_now()
+    while busy > max_busy_cores and time.monotonic() < deadline:
+        progress(f"CPU busy with other work ({busy:.2f} cores); waiting for it to settle")
+        time.sleep(4.0)
+        busy = cpu_busy_now()
+    return busy
+
+
+# ---------------------------------------------------------------------------- servers
+
+
+def bench_model() -> Path:
+    """The benchmark model: $POLYKV_BENCH_MODEL, else models/polykv-bench.gguf (made if absent)."""
+    env = os.environ.get(MODEL_ENV)
+    if env:
+        path = Path(env)
+        if not path.is_file():
+            raise BenchError(f"{MODEL_ENV}={env}: no such file")
+        return path
+    if not DEFAULT_MODEL.is_file():
+        progress(f"{DEFAULT_MODEL.relative_to(REPO_ROOT)} missing: running scripts/models.sh")
+        subprocess.run([str(REPO_ROOT / "scripts" / "models.sh")], check=True, cwd=REPO_ROOT)
+    return DEFAULT_MODEL
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def _log_path(label: str) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{label}.log"
+    path.unlink(missing_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def engine(label: str, model: Path, args: Sequence[str]) -> Iterator[EngineProcess]:
+    """A ``polykv-engine`` child process for the duration of the block."""
+    eng = EngineProcess(model=model, args=list(args), log_path=_log_path(label), env=SERVER_ENV)
+    progress(f"starting {label}: polykv-engine {' '.join(args)}")
+    eng.start(timeout=180.0)
+    try:
+        yield eng
+    finally:
+        eng.stop()
+
+
+@dataclass
+class ServerProcess:
+    """Any HTTP server started from a command line; ``{port}`` in it is filled in."""
+
+    label: str
+    argv: Sequence[str]
+    ready_path: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    env: Mapping[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = 180.0) -> None:
+        self.port = self.port or free_port(self.host)
+        self.log_path = _log_path(self.label)
+        argv = [a.replace("{port}", str(self.port)) for a in self.argv]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BenchError(f"{self.label} exited during startup:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.base_url + self.ready_path, timeout=1.0).status_code == 200:
+                    return
+            time.sleep(0.2)
+        self.stop()
+        raise BenchError(f"{self.label} not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@contextlib.contextmanager
+def server(proc: ServerProcess) -> Iterator[ServerProcess]:
+    progress(f"starting {proc.label}")
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+# ---------------------------------------------------------------------------- clients
+
+
+def http_client(timeout_s: float = 600.0) -> httpx.Client:
+    return httpx.Client(timeout=httpx.Timeout(timeout_s), limits=httpx.Limits(max_connections=64))
+
+
+def sse_events(
+    client: httpx.Client, url: str, body: Mapping[str, Any]
+) -> Iterator[tuple[float, dict[str, Any]]]:
+    """POST ``body`` and yield ``(perf_counter at arrival, payload)`` per SSE ``data:`` event."""
+    with client.stream("POST", url, json=dict(body)) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise BenchError(f"POST {url} -> {resp.status_code}: {resp.text[:500]}")
+        for line in resp.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                continue
+            payload = json.loads(data)
+            if not isinstance(payload, dict):
+                raise BenchError(f"unexpected SSE payload from {url}: {data[:200]}")
+            if "error" in payload:
+                raise BenchError(f"{url} streamed an error: {payload['error']}")
+            yield time.perf_counter(), payload
+
+
+def run_together(fns: Sequence[Callable[[], T]], on_released: Callable[[], None]) -> list[T]:
+    """Run every ``fn`` in its own thread, all released at one instant.
+
+    ``on_released`` runs on the calling thread right after the release, while the functions
+    run (a benchmark uses it to sample server counters mid-flight). Exceptions propagate.
+    """
+    gate = threading.Barrier(len(fns) + 1)
+
+    def gated(fn: Callable[[], T]) -> T:
+        gate.wait()
+        return fn()
+
+    with ThreadPoolExecutor(max_workers=len(fns)) as pool:
+        futures = [pool.submit(gated, fn) for fn in fns]
+        gate.wait()
+        try:
+            on_released()
+        finally:
+            results = [f.result() for f in futures]
+    return results
+
+
+def scrape_metrics(client: httpx.Client, base_url: str) -> tuple[float, dict[str, float]]:
+    """``(perf_counter at mid-request, {sample name with labels: value})`` from /metrics."""
+    t0 = time.perf_counter()
+    resp = client.get(f"{base_url}/metrics")
+    t1 = time.perf_counter()
+    resp.raise_for_status()
+    samples: dict[str, float] = {}
+    for line in resp.text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        with contextlib.suppress(ValueError):
+            samples[name] = float(value)
+    return (t0 + t1) / 2, samples
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def environment() -> dict[str, Any]:
+    """Where and on what the numbers were measured."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    try:
+        llama_version = importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        llama_version = "?"
+    return {
+        "date_utc": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "git_commit": git("rev-parse", "--short", "HEAD"),
+        # The servers run from the working tree: note engine files that differ from the commit.
+        "engine_uncommitted": git("status", "--porcelain", "--", "engine_image").splitlines(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "loadavg_at_start": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "llama_cpp_python": llama_version,
+        "platform": platform.platform(),
+    }
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    aligns = ["---"] + ["--:"] * (len(headers) - 1)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(aligns) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+BENCH_HEADING = "## Benchmarks"
+_BENCH_INTRO = (
+    "Measured by `make bench` (`python -m bench.run_all`) on the development machine and "
+    "regenerated by each benchmark; raw numbers and medians are in `bench/results/`."
+)
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+
+
+def splice_readme(text: str, name: str, markdown: str) -> str:
+    """Return README text with ``markdown`` between the benchmark's markers.
+
+    The markers are replaced in place when present; otherwise they are appended to the
+    "## Benchmarks" section, which is created at the end when absent. Nothing else changes.
+    """
+    start, end = _markers(name)
+    block = f"{start}\n{markdown.strip()}\n{end}"
+    i = text.find(start)
+    j = text.find(end, i + len(start)) if i >= 0 else -1
+    if i >= 0 and j >= 0:
+        return text[:i] + block + text[j + len(end) :]
+    heading = re.search(rf"^{re.escape(BENCH_HEADING)}[ \t]*$", text, re.MULTILINE)
+    if heading is None:
+        return text.rstrip("\n") + f"\n\n{BENCH_HEADING}\n\n{_BENCH_INTRO}\n\n{block}\n"
+    nxt = re.search(r"^## ", text[heading.end() :], re.MULTILINE)
+    cut = heading.end() + nxt.start() if nxt else len(text)
+    before = text[:cut].rstrip("\n")
+    after = text[cut:]
+    return before + f"\n\n{block}\n" + (f"\n{after}" if after else "")
+
+
+def publish(
+    name: str, data: Mapping[str, Any], markdown: str, readme: Path | None = README
+) -> None:
+    """Write results/<name>.json and .md, and (unless ``readme`` is None) the README table."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / f"{name}.json").write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    (RESULTS_DIR / f"{name}.md").write_text(markdown.strip() + "\n")
+    progress(f"wrote bench/results/{name}.json and .md")
+    if readme is not None:
+        old = readme.read_text()
+        new = splice_readme(old, name, markdown)
+        if new != old:
+            readme.write_text(new)
+        progress(f"README table {name} updated")
