@@ -184,9 +184,11 @@ class Engine:
                 self._drain_inbox(block=not self._has_work())
                 if self._stop_requested:
                     break
+                t0 = time.perf_counter()
                 self._assign_waiting()
                 if self._busy():
                     self._step()
+                    self._bump(busy_seconds=time.perf_counter() - t0)
                 self._publish()
         except BaseException:
             log.exception("engine loop crashed")
@@ -585,6 +587,7 @@ class Engine:
                 n_decoded += 1
             self._sample(slot, now)
         n_prefilled += self.pools.after_decode()
+        self._bump(decoded_tokens=n_decoded, prefilled_tokens=n_prefilled)
         if n_decoded:
             self._decode_rate.add(n_decoded, now)
         if n_prefilled:

@@ -61,6 +61,9 @@ class Counters:
     requests_done: int = 0
     requests_cancelled: int = 0
     requests_failed: int = 0
+    decoded_tokens: int = 0  # generated tokens, counted every step (not at request end)
+    prefilled_tokens: int = 0  # prompt and pool tokens computed, counted every step
+    busy_seconds: float = 0.0  # wall time of loop iterations that had work
     decode_calls: int = 0
     decode_seconds: float = 0.0
     step_seconds: float = 0.0
