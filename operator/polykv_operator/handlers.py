@@ -380,7 +380,7 @@ async def link_parent(
     found = next((n for n in _ns(pools_idx, namespace) if n.name == parent), None)
     if found is None:
         # The status says ParentNotFound meanwhile; a parent applied later is picked up.
-        raise kopf.TemporaryError(f'parent "{parent}" does not exist yet', delay=10)
+        raise kopf.TemporaryError(f'parent "{parent}" does not exist yet', delay=3)
     refs = list(body.meta.get("ownerReferences") or [])
     if any(r.get("uid") == found.uid for r in refs):
         return

@@ -1,0 +1,686 @@
+"""The operator on the real control plane, with real engine processes, under its own RBAC.
+
+Every test gets a namespace enforcing the restricted Pod Security profile, the CRDs from
+crds/, and the operator as a child process logged in as the polykv-operator ServiceAccount
+(operator/deploy/rbac.yaml), so a missing permission fails the test (no "forbidden" in its
+log). Engines run the generated test model, written by their init container.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from polykv_api.models import PoolStatus
+from polykv_operator.manifests import admin_key
+from polykv_testenv import ApiError, ControlPlane, ProcessNode
+from polykv_testenv.kubeapi import Gone
+from polykv_testenv.operator import OperatorProcess
+
+from .helpers import Obj, condition, eventually, get_or_none
+
+pytestmark = pytest.mark.k8s
+
+ROOT = Path(__file__).resolve().parents[2]
+GROUP_PATH = "/apis/polykv.io/v1alpha1/namespaces/{ns}"
+MASTER = "e2e-master-key"
+GATE = "polykv.io/pools-ready"
+
+SYSTEM = {"role": "system", "content": "You are the research crew. Cite sources, be brief."}
+BRIEF = {"role": "user", "content": "Task briefing: survey shared-prefix KV caching."}
+SHELL = {"role": "system", "content": "You are the research crew. Use the shell sandbox."}
+# Sorted keys: the API server stores objects with sorted keys, and the engine renders tools
+# in the order it is given (see operator/NEEDS_FROM_ENGINE.md).
+TOOL = {
+    "function": {
+        "description": "Search the web",
+        "name": "search",
+        "parameters": {"properties": {"q": {"type": "string"}}, "type": "object"},
+    },
+    "type": "function",
+}
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def operator_kubeconfig(
+    k8s_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """CRDs and RBAC installed; a kubeconfig holding the operator ServiceAccount's token."""
+    k8s_cluster.kubectl("apply", "-f", str(ROOT / "crds"))
+    for crd in ("polykvengines", "polykvpools", "admissionpolicies"):
+        k8s_cluster.kubectl(
+            "wait", "--for=condition=Established", f"crd/{crd}.polykv.io", "--timeout=60s"
+        )
+    k8s_cluster.kubectl("create", "namespace", "polykv-system", check=False)
+    k8s_cluster.kubectl("apply", "-f", str(ROOT / "operator" / "deploy" / "rbac.yaml"))
+    token = k8s_cluster.kubectl(
+        "create", "token", "polykv-operator", "-n", "polykv-system", "--duration=3h"
+    ).stdout.strip()
+    creds = k8s_cluster.credentials
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "c",
+                "cluster": {"server": creds.server, "certificate-authority": str(creds.ca_file)},
+            }
+        ],
+        "users": [{"name": "polykv-operator", "user": {"token": token}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "polykv-operator"}}],
+        "current-context": "c",
+    }
+    path = tmp_path_factory.mktemp("operator") / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class Operator:
+    """The operator as a child process (restartable: each run logs to its own file)."""
+
+    def __init__(self, cluster: ControlPlane, namespace: str, kubeconfig: Path, logs: Path) -> None:
+        self.cluster, self.namespace, self.kubeconfig, self.logs = (
+            cluster,
+            namespace,
+            kubeconfig,
+            logs,
+        )
+        self.runs: list[OperatorProcess] = []
+
+    def start(self) -> Operator:
+        env = {
+            "KUBECONFIG": str(self.kubeconfig),
+            "POLYKV_OPERATOR_MASTER_KEY": MASTER,
+            "POLYKV_OPERATOR_POLL_INTERVAL": "0.5",
+            "POLYKV_OPERATOR_CAPACITY_EVERY": "2",
+        }
+        log = self.logs / f"operator-{len(self.runs)}.log"
+        proc = OperatorProcess(self.cluster, "polykv_operator.handlers", self.namespace, log, env)
+        proc.start()
+        self.runs.append(proc)
+        return self
+
+    def kill(self) -> None:
+        self.runs[-1].kill()
+
+    def stop(self) -> None:
+        self.runs[-1].stop()
+
+    def log(self) -> str:
+        return "".join(r.log() for r in self.runs)
+
+
+@pytest.fixture
+def operator(
+    k8s_cluster: ControlPlane,
+    process_node: ProcessNode,
+    namespace: str,
+    operator_kubeconfig: Path,
+    tmp_path: Path,
+) -> Iterator[Operator]:
+    k8s_cluster.kubectl(
+        "label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted"
+    )
+    op = Operator(k8s_cluster, namespace, operator_kubeconfig, tmp_path).start()
+    try:
+        yield op
+        assert not re.search(r"forbidden", op.log(), re.IGNORECASE), forbidden_lines(op.log())
+    finally:
+        # Leave nothing behind for the namespace controller to wait on: pools release
+        # through their finalizer while the operator still runs.
+        if not op.runs[-1].proc.alive():
+            op.start()
+        k8s_cluster.kubectl(
+            "delete",
+            "polykvpools,admissionpolicies,polykvengines",
+            "--all",
+            "-n",
+            namespace,
+            "--timeout=60s",
+            check=False,
+        )
+        op.stop()
+        print(f"operator logs: {tmp_path}")
+
+
+def forbidden_lines(text: str) -> str:
+    return "\n".join(ln for ln in text.splitlines() if "orbidden" in ln)[:3000]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def engine_manifest(name: str = "eng", replicas: int = 1) -> Obj:
+    return {
+        "apiVersion": "polykv.io/v1alpha1",
+        "kind": "PolyKVEngine",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {
+                "path": "/models/polykv-test.gguf",
+                "init": {
+                    "command": ["polykv-make-model", "--preset", "test", "/models/polykv-test.gguf"]
+                },
+            },
+            "replicas": replicas,
+            "parallel": 2,
+            "contextSize": 2048,
+            "maxPools": 8,
+            "threads": 1,
+        },
+    }
+
+
+def pool_manifest(
+    name: str, engine: str = "eng", labels: dict[str, str] | None = None, **spec: Any
+) -> Obj:
+    return {
+        "apiVersion": "polykv.io/v1alpha1",
+        "kind": "PolyKVPool",
+        "metadata": {"name": name, "labels": labels or {}},
+        "spec": {"engineRef": {"name": engine}, **spec},
+    }
+
+
+def tree_manifests() -> list[Obj]:
+    return [
+        pool_manifest("crew", messages=[SYSTEM], tools=[TOOL], labels={"tier": "interactive"}),
+        pool_manifest(
+            "planner", parent="crew", appendMessages=[BRIEF], labels={"tier": "interactive"}
+        ),
+        pool_manifest("shell", parent="crew", messages=[SHELL]),
+    ]
+
+
+def apply(cluster: ControlPlane, namespace: str, *objs: Obj) -> None:
+    cluster.apply("\n---\n".join(json.dumps(o) for o in objs), namespace)
+
+
+def obj_path(namespace: str, plural: str, name: str = "") -> str:
+    base = f"{GROUP_PATH.format(ns=namespace)}/{plural}"
+    return f"{base}/{name}" if name else base
+
+
+def get(cluster: ControlPlane, namespace: str, plural: str, name: str) -> Obj:
+    return cluster.api.get(obj_path(namespace, plural, name))
+
+
+def wait_condition(
+    cluster: ControlPlane, namespace: str, plural: str, name: str, ctype: str, timeout_s: float = 90
+) -> Obj:
+    def probe() -> Obj | None:
+        obj = get_or_none(cluster.api, obj_path(namespace, plural, name))
+        return obj if obj is not None and condition(obj, ctype) == "True" else None
+
+    return eventually(f"{plural}/{name} {ctype}", probe, timeout_s)
+
+
+def reason(obj: Obj, ctype: str) -> tuple[str, str]:
+    for c in obj.get("status", {}).get("conditions") or []:
+        if c["type"] == ctype:
+            return c["reason"], c["message"]
+    return "", ""
+
+
+@dataclass
+class Replica:
+    pod: str
+    uid: str
+    ip: str
+    restarts: int
+
+
+def replicas(cluster: ControlPlane, namespace: str, engine: str = "eng") -> list[Replica]:
+    pods = cluster.api.get(
+        f"/api/v1/namespaces/{namespace}/pods", labelSelector=f"polykv.io/engine={engine}"
+    )
+    out = []
+    for p in pods["items"]:
+        if p["metadata"].get("deletionTimestamp") or not p["status"].get("podIP"):
+            continue
+        restarts = sum(c.get("restartCount", 0) for c in p["status"].get("containerStatuses") or [])
+        out.append(
+            Replica(p["metadata"]["name"], p["metadata"]["uid"], p["status"]["podIP"], restarts)
+        )
+    return sorted(out, key=lambda r: r.pod)
+
+
+class EngineApi:
+    """Direct access to the engine replicas, with the key the operator derives."""
+
+    def __init__(self, cluster: ControlPlane, namespace: str, engine: str = "eng") -> None:
+        uid = get(cluster, namespace, "polykvengines", engine)["metadata"]["uid"]
+        self.headers = {"Authorization": f"Bearer {admin_key(MASTER, namespace, engine, uid)}"}
+
+    def pools(self, ip: str) -> dict[str, PoolStatus]:
+        r = httpx.get(f"http://{ip}:8080/polykv/pools", headers=self.headers, timeout=10)
+        r.raise_for_status()
+        return {p["name"]: PoolStatus.model_validate(p) for p in r.json()["pools"]}
+
+    def pools_or_none(self, ip: str) -> dict[str, PoolStatus] | None:
+        try:
+            return self.pools(ip)
+        except httpx.HTTPError:
+            return None
+
+    def chat(self, ip: str, pool: str, messages: list[Obj], tools: list[Obj] | None) -> Obj:
+        body: Obj = {"pool_id": pool, "messages": messages, "max_tokens": 4, "temperature": 0}
+        if tools:
+            body["tools"] = tools
+        headers = {**self.headers, "x-session-id": f"agent-{pool}-{ip}"}
+        r = httpx.post(
+            f"http://{ip}:8080/v1/chat/completions", json=body, headers=headers, timeout=60
+        )
+        r.raise_for_status()
+        result: Obj = r.json()
+        return result
+
+
+class PodWatch:
+    """Records every pod event of the namespace with the time it arrived."""
+
+    def __init__(self, cluster: ControlPlane, namespace: str) -> None:
+        self.cluster, self.namespace = cluster, namespace
+        self.events: list[tuple[float, Obj]] = []
+        self._stop = threading.Event()
+        path = f"/api/v1/namespaces/{namespace}/pods"
+        self._rv = cluster.api.get(path)["metadata"]["resourceVersion"]
+        self._thread = threading.Thread(target=self._run, args=(path,), daemon=True)
+        self._thread.start()
+
+    def _run(self, path: str) -> None:
+        while not self._stop.is_set():
+            try:
+                for ev in self.cluster.api.watch(path, self._rv, timeout_s=5):
+                    obj = ev["object"]
+                    self._rv = obj["metadata"].get("resourceVersion", self._rv)
+                    if ev["type"] != "BOOKMARK":
+                        self.events.append((time.time(), obj))
+            except (Gone, ApiError, httpx.HTTPError):
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def first(self, pred: Any, after: float = 0.0) -> float | None:
+        for t, obj in list(self.events):
+            if t >= after and pred(obj):
+                return t
+        return None
+
+
+def gate_of(obj: Obj) -> str | None:
+    return condition(obj, GATE)
+
+
+def is_pod(uid: str) -> Any:
+    return lambda obj: obj["metadata"]["uid"] == uid
+
+
+# ------------------------------------------------------------------------------- tests
+
+
+def test_tree_on_every_replica_scale_and_attach_by_name(
+    k8s_cluster: ControlPlane, namespace: str, operator: Operator
+) -> None:
+    apply(k8s_cluster, namespace, engine_manifest(), *tree_manifests())
+    for name in ("crew", "planner", "shell"):
+        wait_condition(k8s_cluster, namespace, "polykvpools", name, "Ready")
+    crew, planner, shell = (
+        get(k8s_cluster, namespace, "polykvpools", n)["status"]
+        for n in ("crew", "planner", "shell")
+    )
+    # extend: the parent's whole prefix; branch: diverges inside it. Nobody counted tokens.
+    assert crew["branchPos"] == 0 and crew["depth"] == 0 and crew["path"] == "crew"
+    assert planner["branchPos"] == crew["prefixLen"] < planner["prefixLen"]
+    assert 0 < shell["branchPos"] < crew["prefixLen"] and shell["path"] == "crew/shell"
+    eng = EngineApi(k8s_cluster, namespace)
+
+    # Scale through the scale subresource (what an HPA uses); watch the new pod.
+    watch = PodWatch(k8s_cluster, namespace)
+    before = {r.uid for r in replicas(k8s_cluster, namespace)}
+    k8s_cluster.kubectl("scale", "polykvengine/eng", "--replicas=2", "-n", namespace)
+    both = eventually(
+        "2 replicas", lambda: r if len(r := replicas(k8s_cluster, namespace)) == 2 else None, 60
+    )
+    new = next(r for r in both if r.uid not in before)
+    ready_at = eventually(
+        "new replica Ready",
+        lambda: watch.first(lambda o: is_pod(new.uid)(o) and condition(o, "Ready") == "True"),
+        90,
+    )
+    watch.stop()
+    on_new = eng.pools(new.ip)
+    assert set(on_new) >= {"crew", "planner", "shell"}
+    # Every pool was on the new replica before the pod turned Ready.
+    assert max(on_new[n].created_ts for n in ("crew", "planner", "shell")) < ready_at
+    wait_condition(k8s_cluster, namespace, "polykvengines", "eng", "Ready")
+
+    def on_both() -> dict[str, Obj] | None:
+        out = {
+            n: get(k8s_cluster, namespace, "polykvpools", n)["status"]
+            for n in ("crew", "planner", "shell")
+        }
+        return out if all(len(st.get("replicas") or []) == 2 for st in out.values()) else None
+
+    statuses = eventually("pool status lists both replicas", on_both, 30)
+    for r in both:
+        listed = eng.pools(r.ip)
+        for name, st in statuses.items():
+            p = listed[name]
+            assert (p.prefix_len, p.branch_pos, p.prefix_hash) == (
+                st["prefixLen"],
+                st["branchPos"],
+                st["prefixHash"],
+            )
+            assert {x["pod"]: x["poolId"] for x in st["replicas"]}[r.pod] == p.pool_id
+        assert listed["planner"].parent_name == "crew" and listed["shell"].parent_name == "crew"
+        # A session attaching by pool name reuses the whole prefix on every replica.
+        go = {"role": "user", "content": "Go."}
+        attaches = {
+            "crew": ([SYSTEM, go], [TOOL]),
+            "planner": ([SYSTEM, BRIEF, go], [TOOL]),
+            "shell": ([SHELL, go], None),
+        }
+        for name, (messages, tools) in attaches.items():
+            timings = eng.chat(r.ip, name, messages, tools)["timings"]
+            assert timings["cache_n"] >= statuses[name]["prefixLen"], (r.pod, name, timings)
+
+    table = k8s_cluster.kubectl("get", "polykvpools", "-n", namespace).stdout
+    assert re.search(r"planner\s+crew/planner\s+\d+\s+\d+", table), table
+    engine = get(k8s_cluster, namespace, "polykvengines", "eng")["status"]
+    assert engine["readyReplicas"] == 2 and engine["selector"] == "polykv.io/engine=eng"
+    assert len({r["bootId"] for r in engine["replicaStatus"]}) == 2
+
+
+def test_engine_restart_rematerializes_the_tree_before_the_gate(
+    k8s_cluster: ControlPlane, process_node: ProcessNode, namespace: str, operator: Operator
+) -> None:
+    policy = {
+        "apiVersion": "polykv.io/v1alpha1",
+        "kind": "AdmissionPolicy",
+        "metadata": {"name": "floor"},
+        "spec": {
+            "poolSelector": {"matchLabels": {"tier": "interactive"}},
+            "targetTpsPerSession": 3,
+        },
+    }
+    apply(k8s_cluster, namespace, engine_manifest(), *tree_manifests(), policy)
+    wait_condition(k8s_cluster, namespace, "admissionpolicies", "floor", "Ready")
+    for name in ("crew", "planner", "shell"):
+        wait_condition(k8s_cluster, namespace, "polykvpools", name, "Ready")
+    eng = EngineApi(k8s_cluster, namespace)
+    (rep,) = replicas(k8s_cluster, namespace)
+    old_boot = get(k8s_cluster, namespace, "polykvengines", "eng")["status"]["replicaStatus"][0][
+        "bootId"
+    ]
+    watch = PodWatch(k8s_cluster, namespace)
+    pid = process_node.pid(namespace, rep.pod)
+    assert pid is not None
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+
+    def back() -> float | None:
+        down = watch.first(lambda o: is_pod(rep.uid)(o) and gate_of(o) == "False", killed_at)
+        if down is None:
+            return None
+        return watch.first(lambda o: is_pod(rep.uid)(o) and condition(o, "Ready") == "True", down)
+
+    ready_again = eventually("gate False, then Ready again", back, 90)
+    watch.stop()
+    pools = eng.pools(rep.ip)
+    assert set(pools) >= {"crew", "planner", "shell"}
+    assert max(p.created_ts for p in pools.values()) < ready_again
+    assert all(p.created_ts > killed_at for p in pools.values())  # a new engine, rebuilt
+    # ...with its admission policies pushed again.
+    assert pools["crew"].admission is not None and pools["planner"].admission is not None
+    assert pools["shell"].admission is None
+
+    def new_boot() -> str | None:
+        rows = get(k8s_cluster, namespace, "polykvengines", "eng")["status"]["replicaStatus"]
+        return rows[0]["bootId"] if rows[0].get("bootId") not in (None, old_boot) else None
+
+    boot = eventually("engine status shows the new boot id", new_boot, 30)
+
+    def pool_on_new_boot() -> Obj | None:
+        obj = get(k8s_cluster, namespace, "polykvpools", "planner")
+        rows = obj["status"].get("replicas") or []
+        return (
+            obj
+            if condition(obj, "Ready") == "True" and rows and rows[0]["bootId"] == boot
+            else None
+        )
+
+    eventually("pool status on the new boot", pool_on_new_boot, 30)
+
+
+def test_delete_root_removes_the_tree_leaves_first(
+    k8s_cluster: ControlPlane, namespace: str, operator: Operator
+) -> None:
+    apply(
+        k8s_cluster,
+        namespace,
+        engine_manifest(),
+        *tree_manifests(),
+        pool_manifest(
+            "deep", parent="planner", appendMessages=[{"role": "user", "content": "More."}]
+        ),
+    )
+    wait_condition(k8s_cluster, namespace, "polykvpools", "deep", "Ready")
+    eng = EngineApi(k8s_cluster, namespace)
+    (rep,) = replicas(k8s_cluster, namespace)
+    # Background propagation: our finalizer, not the garbage collector, orders the deletion.
+    k8s_cluster.kubectl("delete", "polykvpool/crew", "-n", namespace, "--wait=false")
+    eventually(
+        "every pool gone from the API",
+        lambda: (
+            True if not k8s_cluster.api.get(obj_path(namespace, "polykvpools"))["items"] else None
+        ),
+        60,
+    )
+    assert eng.pools(rep.ip) == {}
+    order = re.findall(r"pool release ns=\S+ engine=eng pool=(\S+) released=\['", operator.log())
+    assert order.index("deep") < order.index("planner") < order.index("crew")
+    assert order.index("shell") < order.index("crew")
+
+
+def test_operator_killed_mid_reconcile_leaves_no_duplicate_and_no_lost_pool(
+    k8s_cluster: ControlPlane, namespace: str, operator: Operator
+) -> None:
+    apply(k8s_cluster, namespace, engine_manifest())
+    wait_condition(k8s_cluster, namespace, "polykvengines", "eng", "Ready")
+    eng = EngineApi(k8s_cluster, namespace)
+    (rep,) = replicas(k8s_cluster, namespace)
+    chain = [pool_manifest("p0", messages=[SYSTEM])]
+    for i in range(1, 6):
+        turn = {"role": "user", "content": f"Step {i}: " + "expand the survey. " * 20}
+        chain.append(pool_manifest(f"p{i}", parent=f"p{i - 1}", appendMessages=[turn]))
+    apply(k8s_cluster, namespace, *chain)
+    # SIGKILL as soon as the first pool is on the engine: the rest are mid-flight.
+    eventually(
+        "first pool created",
+        lambda: True if (eng.pools_or_none(rep.ip) or {}) else None,
+        60,
+    )
+    operator.kill()
+    partial = eng.pools(rep.ip)
+    operator.start()
+    for i in range(6):
+        wait_condition(k8s_cluster, namespace, "polykvpools", f"p{i}", "Ready")
+    final = eng.pools(rep.ip)
+    assert sorted(final) == [f"p{i}" for i in range(6)]  # names are unique: no duplicate
+    for name, before in partial.items():
+        assert final[name].pool_id == before.pool_id  # adopted, not re-created
+    for i in range(6):
+        st = get(k8s_cluster, namespace, "polykvpools", f"p{i}")["status"]
+        ((pod, pool_id),) = [(x["pod"], x["poolId"]) for x in st["replicas"]]
+        assert (pod, pool_id) == (rep.pod, final[f"p{i}"].pool_id)
+        assert st["depth"] == i
+
+
+def test_invalid_specs_stall_with_a_precise_reason(
+    k8s_cluster: ControlPlane, namespace: str, operator: Operator
+) -> None:
+    apply(
+        k8s_cluster, namespace, engine_manifest(), pool_manifest("root", text="You are the crew.\n")
+    )
+    root = wait_condition(k8s_cluster, namespace, "polykvpools", "root", "Ready")
+    length = root["status"]["prefixLen"]
+    apply(
+        k8s_cluster,
+        namespace,
+        pool_manifest(
+            "too-far", parent="root", text="You are the crew.\nAnd more.", branchPos=length + 5
+        ),
+        pool_manifest("orphan", parent="agent-rot", appendText=" hi"),
+        pool_manifest("lost", engine="no-such-engine", text="hello"),
+        pool_manifest("mixed", parent="root", appendMessages=[BRIEF]),
+    )
+    expect = {
+        "too-far": (
+            "BranchPosOutOfRange",
+            f'branchPos {length + 5} is beyond the end of parent "root" ({length} tokens)',
+        ),
+        "orphan": ("ParentNotFound", f'pool "agent-rot" does not exist in namespace {namespace}'),
+        "lost": (
+            "EngineNotFound",
+            f'engine "no-such-engine" does not exist in namespace {namespace}',
+        ),
+        "mixed": ("AppendMismatch", 'parent "root" is given as text'),
+    }
+    for name, (want_reason, want_text) in expect.items():
+        obj = wait_condition(k8s_cluster, namespace, "polykvpools", name, "Stalled", 60)
+        got_reason, got_message = reason(obj, "Stalled")
+        assert got_reason == want_reason and want_text in got_message, (name, got_message)
+        assert condition(obj, "Ready") == "False"
+    # Nothing half-created: only the valid root is on the engine.
+    eng = EngineApi(k8s_cluster, namespace)
+    assert set(eng.pools(replicas(k8s_cluster, namespace)[0].ip)) == {"root"}
+    # The spec is immutable: the API server refuses an edit.
+    out = k8s_cluster.kubectl(
+        "patch",
+        "polykvpool/root",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"text":"Other."}}',
+        check=False,
+    )
+    assert out.returncode != 0 and "immutable" in out.stderr
+    # A parent applied later un-stalls its child (and links it for garbage collection).
+    apply(k8s_cluster, namespace, pool_manifest("agent-rot", text="Fixed."))
+    wait_condition(k8s_cluster, namespace, "polykvpools", "orphan", "Ready")
+
+    def linked() -> list[Obj] | None:
+        refs = get(k8s_cluster, namespace, "polykvpools", "orphan")["metadata"]
+        return refs.get("ownerReferences") or None
+
+    assert eventually("ownerReference to the new parent", linked, 30)[0]["name"] == "agent-rot"
+
+
+def test_two_policies_on_one_pool_is_a_condition(
+    k8s_cluster: ControlPlane, namespace: str, operator: Operator
+) -> None:
+    def policy(name: str, **spec: Any) -> Obj:
+        return {
+            "apiVersion": "polykv.io/v1alpha1",
+            "kind": "AdmissionPolicy",
+            "metadata": {"name": name},
+            "spec": {"targetTpsPerSession": 4, **spec},
+        }
+
+    apply(
+        k8s_cluster,
+        namespace,
+        engine_manifest(),
+        *tree_manifests(),
+        policy("floor", poolSelector={"matchLabels": {"tier": "interactive"}}, mode="enforced"),
+    )
+    wait_condition(k8s_cluster, namespace, "admissionpolicies", "floor", "Ready")
+    eng = EngineApi(k8s_cluster, namespace)
+    ip = replicas(k8s_cluster, namespace)[0].ip
+    pools = eng.pools(ip)
+    assert pools["planner"].admission is not None and pools["planner"].admission.mode == "enforced"
+    assert (
+        get(k8s_cluster, namespace, "polykvpools", "planner")["status"]["admissionPolicy"]
+        == "floor"
+    )
+    apply(
+        k8s_cluster,
+        namespace,
+        policy("strict", poolRefs=[{"name": "planner"}], targetTpsPerSession=9),
+    )
+    obj = wait_condition(k8s_cluster, namespace, "admissionpolicies", "strict", "Stalled", 30)
+    got, message = reason(obj, "Stalled")
+    assert got == "PoolSelectedTwice" and "floor" in message
+    assert (
+        reason(
+            wait_condition(k8s_cluster, namespace, "admissionpolicies", "floor", "Stalled", 30),
+            "Stalled",
+        )[0]
+        == "PoolSelectedTwice"
+    )
+    assert obj["status"]["conflicts"] == [{"pool": "planner", "policies": ["floor", "strict"]}]
+    assert eng.pools(ip)["planner"].admission.target_tps_per_session == 4  # no silent winner
+    # Deleting a policy takes it off the engines.
+    k8s_cluster.kubectl(
+        "delete", "admissionpolicy/strict", "admissionpolicy/floor", "-n", namespace
+    )
+    eventually(
+        "policies cleared",
+        lambda: True if all(p.admission is None for p in eng.pools(ip).values()) else None,
+        30,
+    )
+
+
+def test_unreachable_replica_keeps_the_finalizer(
+    k8s_cluster: ControlPlane, process_node: ProcessNode, namespace: str, operator: Operator
+) -> None:
+    apply(
+        k8s_cluster, namespace, engine_manifest(), pool_manifest("root", text="You are the crew.\n")
+    )
+    wait_condition(k8s_cluster, namespace, "polykvpools", "root", "Ready")
+    (rep,) = replicas(k8s_cluster, namespace)
+    pid = process_node.pid(namespace, rep.pod)
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)  # a partition: the process lives, nothing answers
+    try:
+        k8s_cluster.kubectl("delete", "polykvpool/root", "-n", namespace, "--wait=false")
+
+        def held() -> Obj | None:
+            obj = get(k8s_cluster, namespace, "polykvpools", "root")
+            return obj if reason(obj, "Ready")[0] == "EngineUnreachable" else None
+
+        obj = eventually("condition says the replica is unreachable", held, 60)
+        assert obj["metadata"]["finalizers"] == ["polykv.io/release-pools"]
+        assert condition(obj, "Ready") == "Unknown"
+        assert rep.pod in reason(obj, "Ready")[1]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    eventually(
+        "released once the replica answers",
+        lambda: (
+            True
+            if get_or_none(k8s_cluster.api, obj_path(namespace, "polykvpools", "root")) is None
+            else None
+        ),
+        60,
+    )
+    eng = EngineApi(k8s_cluster, namespace)
+    assert eng.pools(rep.ip) == {}
