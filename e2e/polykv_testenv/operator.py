@@ -28,6 +28,38 @@ def kopf_args(target: str | Path, namespace: str | None, extra: Sequence[str] = 
     return [*args, *extra]
 
 
+class _IsolatedRunner:
+    """A KopfRunner with a registry of its own.
+
+    kopf registers handlers in a process-wide default registry when an operator module is
+    imported, so two operators run in one pytest process would each also run the other's
+    handlers (startup checks, custom logins). Each run gets a fresh registry, and a module
+    target is re-imported so its handlers land in it."""
+
+    def __init__(self, target: str | Path, runner: Any) -> None:
+        self.target = target
+        self.runner = runner
+        self._saved: Any = None
+
+    def __enter__(self) -> Any:
+        import kopf
+        from kopf._core.intents.registries import SmartOperatorRegistry
+
+        self._saved = kopf.get_default_registry()
+        kopf.set_default_registry(SmartOperatorRegistry())  # with kopf's built-in logins
+        if not (isinstance(self.target, Path) or str(self.target).endswith(".py")):
+            sys.modules.pop(str(self.target), None)
+        return self.runner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        import kopf
+
+        try:
+            return self.runner.__exit__(*exc)
+        finally:
+            kopf.set_default_registry(self._saved)
+
+
 def in_process(
     target: str | Path, namespace: str | None, timeout_s: float = 60, **kwargs: Any
 ) -> Any:
@@ -35,7 +67,9 @@ def in_process(
     cluster in os.environ (the session fixture sets it)."""
     from kopf.testing import KopfRunner
 
-    return KopfRunner(kopf_args(target, namespace), timeout=timeout_s, **kwargs)
+    return _IsolatedRunner(
+        target, KopfRunner(kopf_args(target, namespace), timeout=timeout_s, **kwargs)
+    )
 
 
 class OperatorProcess(StartStop):
