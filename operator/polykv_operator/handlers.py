@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -25,11 +26,22 @@ import kopf
 
 from . import manifests, metrics
 from . import status as stat
-from .api import ADMISSION, ENGINE, GROUP, POOL, VERSION, PolyKVEngineSpec
+from .api import (
+    ADMISSION,
+    ENGINE,
+    GROUP,
+    POOL,
+    VERSION,
+    AdmissionPolicySpec,
+    PolyKVEngineSpec,
+    PolyKVPoolSpec,
+)
+from .conditions import Verdict, conditions_for
 from .config import Config
 from .fleet import EngineState, Fleet, ReplicaRef
-from .gates import GATE, GateWant, must_drop
+from .gates import GateWant, must_drop
 from .kube import Kube
+from .pods import replica_ref
 from .policies import PolicyNode, select
 from .release import release_everywhere
 from .sync import EngineView, Round
@@ -40,6 +52,7 @@ log = logging.getLogger("polykv.operator")
 CONFIG = Config.from_env()
 FLEET = Fleet()
 PREFIX = "kopf.polykv.io"
+FINALIZER = "polykv.io/finalizer"
 
 
 class Runtime:
@@ -72,8 +85,9 @@ EngineKwargs = dict[str, Any]
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     CONFIG.require_master_key()  # fail fast: engines cannot be administered without it
-    # Finalizer named after what it guards: releasing pools on the engines.
-    settings.persistence.finalizer = "polykv.io/release-pools"
+    # One finalizer for everything: pools need it to release their KV on the engines, and
+    # kopf puts it on every object with a timer so that the timer stops before it goes.
+    settings.persistence.finalizer = FINALIZER
     # Handler progress and the last-handled spec live in annotations: the status schema is
     # strict and would prune status.kopf (and status belongs to our own writers).
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
@@ -92,7 +106,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     logging.getLogger("kopf.objects").addFilter(_QuietTimers())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
     if CONFIG.metrics_port is not None:
-        metrics.REGISTRY.register(metrics.FleetCollector(_figures))
+        metrics.REGISTRY.register(metrics.FleetCollector(lambda: metrics.figures(FLEET)))
         metrics.serve(CONFIG.metrics_port)
     log.info(
         "operator configured poll_interval_s=%s metrics_port=%s",
@@ -156,23 +170,31 @@ def _counted(kind: str, handler: str) -> Callable[[Callable[..., Awaitable[Any]]
 # ------------------------------------------------------------------------------- indexes
 
 
+@dataclass(frozen=True)
+class EngineEntry:
+    """A PolyKVEngine as the operator indexes it."""
+
+    name: str
+    uid: str
+    spec: PolyKVEngineSpec
+    generation: int
+
+
 @kopf.index(GROUP, VERSION, ENGINE.plural)
 def engines_idx(
     namespace: str | None, name: str, uid: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any
-) -> dict[str, tuple[str, str, PolyKVEngineSpec, int]] | None:
+) -> dict[str, EngineEntry] | None:
     try:
         parsed = PolyKVEngineSpec.model_validate(dict(spec))
     except ValueError:
         return None
-    return {str(namespace): (name, uid, parsed, int(meta.get("generation") or 1))}
+    return {str(namespace): EngineEntry(name, uid, parsed, int(meta.get("generation") or 1))}
 
 
 @kopf.index(GROUP, VERSION, POOL.plural)
 def pools_idx(
     namespace: str | None, name: str, uid: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any
 ) -> dict[str, PoolNode] | None:
-    from .api import PolyKVPoolSpec
-
     try:
         parsed = PolyKVPoolSpec.model_validate(dict(spec))
         parsed.source()
@@ -194,8 +216,6 @@ def pools_idx(
 def policies_idx(
     namespace: str | None, name: str, uid: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any
 ) -> dict[str, PolicyNode] | None:
-    from .api import AdmissionPolicySpec
-
     try:
         parsed = AdmissionPolicySpec.model_validate(dict(spec))
     except ValueError:
@@ -209,30 +229,6 @@ def pods_idx(
     namespace: str | None, name: str, uid: str, body: kopf.Body, labels: kopf.Labels, **_: Any
 ) -> dict[tuple[str, str], ReplicaRef]:
     return {(str(namespace), labels[manifests.ENGINE_LABEL]): replica_ref(name, uid, body)}
-
-
-def replica_ref(name: str, uid: str, body: kopf.Body | dict[str, Any]) -> ReplicaRef:
-    """The facts about an engine pod that the round and the gates need."""
-    st = body.get("status") or {}
-    containers = {c.get("name"): c for c in st.get("containerStatuses") or []}
-    c = containers.get(manifests.CONTAINER) or {}
-    state = c.get("state") or {}
-    waiting = state.get("waiting") or {}
-    gate = next(
-        (x.get("status") for x in st.get("conditions") or [] if x.get("type") == GATE), None
-    )
-    return ReplicaRef(
-        name=name,
-        uid=uid,
-        ip=st.get("podIP") or None,
-        running="running" in state,
-        ready=bool(c.get("ready")),
-        gate=gate,
-        terminating=bool(body.get("metadata", {}).get("deletionTimestamp")),
-        restarts=int(c.get("restartCount") or 0),
-        waiting_reason=waiting.get("reason"),
-        waiting_message=waiting.get("message"),
-    )
 
 
 def _ns(index: kopf.Index[Any, Any], key: Any) -> list[Any]:
@@ -290,7 +286,7 @@ async def engine_round(
     meta: kopf.Meta,
     status: kopf.Status,
     patch: kopf.Patch,
-    engines_idx: kopf.Index[str, Any],
+    engines_idx: kopf.Index[str, EngineEntry],
     pools_idx: kopf.Index[str, PoolNode],
     policies_idx: kopf.Index[str, PolicyNode],
     pods_idx: kopf.Index[tuple[str, str], ReplicaRef],
@@ -306,7 +302,7 @@ async def engine_round(
         pods=_ns(pods_idx, (namespace, name)),
         pools=_ns(pools_idx, namespace),
         policies=_ns(policies_idx, namespace),
-        engines=[e[0] for e in _ns(engines_idx, namespace)],
+        engines=[e.name for e in _ns(engines_idx, namespace)],
     )
     kube = RT.kube_client()
 
@@ -336,12 +332,12 @@ async def engine_round(
 
 def _pool_context(
     namespace: str,
-    engines_idx: kopf.Index[str, Any],
+    engines_idx: kopf.Index[str, EngineEntry],
     pools_idx: kopf.Index[str, PoolNode],
     policies_idx: kopf.Index[str, PolicyNode],
 ) -> stat.PoolContext:
     pools = _ns(pools_idx, namespace)
-    engines = [e[0] for e in _ns(engines_idx, namespace)]
+    engines = [e.name for e in _ns(engines_idx, namespace)]
     fleet = {e: s for e in engines if (s := FLEET.peek(namespace, e)) is not None}
     selection = select(_ns(policies_idx, namespace), {n.name: dict(n.labels) for n in pools})
     return stat.PoolContext(
@@ -404,7 +400,7 @@ async def pool_status(
     namespace: str,
     status: kopf.Status,
     patch: kopf.Patch,
-    engines_idx: kopf.Index[str, Any],
+    engines_idx: kopf.Index[str, EngineEntry],
     pools_idx: kopf.Index[str, PoolNode],
     policies_idx: kopf.Index[str, PolicyNode],
     **_: Any,
@@ -425,7 +421,7 @@ async def release_pool(
     spec: kopf.Spec,
     status: kopf.Status,
     patch: kopf.Patch,
-    engines_idx: kopf.Index[str, Any],
+    engines_idx: kopf.Index[str, EngineEntry],
     pools_idx: kopf.Index[str, PoolNode],
     pods_idx: kopf.Index[tuple[str, str], ReplicaRef],
     **_: Any,
@@ -443,13 +439,13 @@ async def release_pool(
         _deleting_status(status, patch, "DeletingChildren", f"child pools go first: {names}")
         raise kopf.TemporaryError(f"waiting for child pools to be deleted: {names}", delay=1)
     engine = str((spec.get("engineRef") or {}).get("name", ""))
-    entry = next((e for e in _ns(engines_idx, namespace) if e[0] == engine), None)
+    entry = next((e for e in _ns(engines_idx, namespace) if e.name == engine), None)
     if entry is None:
         return  # no engine, no replicas: nothing holds the pool
-    state = _engine_state(namespace, engine, entry[1])
+    state = _engine_state(namespace, engine, entry.uid)
     state.deleting.add(uid)
     pods = _ns(pods_idx, (namespace, engine))
-    out = await release_everywhere(state, pods, RT.engine_http(), entry[2].port, name)
+    out = await release_everywhere(state, pods, RT.engine_http(), entry.spec.port, name)
     if out.done:
         state.renders.pop(uid, None)
         state.create_errors.pop(uid, None)
@@ -473,8 +469,6 @@ async def release_pool(
 def _deleting_status(
     status: kopf.Status, patch: kopf.Patch, reason: str, message: str, unknown: bool = False
 ) -> None:
-    from .conditions import Verdict, conditions_for
-
     verdict = Verdict.unknown(reason, message) if unknown else Verdict.reconciling(reason, message)
     conds = conditions_for(verdict, stat.previous_conditions(status), None)
     wire = [c.wire() for c in conds]
@@ -492,7 +486,7 @@ async def policy_status(
     namespace: str,
     status: kopf.Status,
     patch: kopf.Patch,
-    engines_idx: kopf.Index[str, Any],
+    engines_idx: kopf.Index[str, EngineEntry],
     pools_idx: kopf.Index[str, PoolNode],
     policies_idx: kopf.Index[str, PolicyNode],
     **_: Any,
@@ -527,35 +521,3 @@ async def engine_pod_event(
     state.synced.pop(uid, None)
     await RT.kube_client().set_gate(namespace, name, want)
     log.info("readiness gate dropped ns=%s pod=%s reason=%s", namespace, name, want.reason)
-
-
-# ------------------------------------------------------------------------------ metrics
-
-
-def _figures() -> list[metrics.EngineFigures]:
-    out = []
-    for (ns, name), state in list(FLEET.engines.items()):
-        pods = [p for p in state.pods.values() if not p.terminating]
-        floor = None
-        if state.mean_active_tps:
-            targets = [
-                float(p.admission.target_tps_per_session)
-                for o in state.replicas.values()
-                if o.listing is not None
-                for p in o.listing.pools
-                if p.admission is not None
-            ]
-            if targets:
-                floor = round(max(targets) / state.mean_active_tps, 3)
-        out.append(
-            metrics.EngineFigures(
-                ns,
-                name,
-                replicas=len(pods),
-                synced=len([p for p in pods if p.gate == "True"]),
-                pools=len([r for r in state.renders.values() if hasattr(r, "prefix_len")]),
-                mean_active_tps=state.mean_active_tps,
-                floor_pressure=floor,
-            )
-        )
-    return out

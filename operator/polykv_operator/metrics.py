@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .fleet import Fleet, Render
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 RECONCILES = Counter(
@@ -103,3 +105,33 @@ class FleetCollector(Collector):
 
 def serve(port: int) -> None:
     start_http_server(port, registry=REGISTRY)
+
+
+def figures(fleet: Fleet) -> list[EngineFigures]:
+    """Per engine, from the fleet's last rounds."""
+    out = []
+    for (ns, name), state in list(fleet.engines.items()):
+        pods = [p for p in state.pods.values() if not p.terminating]
+        floor = None
+        if state.mean_active_tps:
+            targets = [
+                float(p.admission.target_tps_per_session)
+                for o in state.replicas.values()
+                if o.listing is not None
+                for p in o.listing.pools
+                if p.admission is not None
+            ]
+            if targets:
+                floor = round(max(targets) / state.mean_active_tps, 3)
+        out.append(
+            EngineFigures(
+                ns,
+                name,
+                replicas=len(pods),
+                synced=len([p for p in pods if p.gate == "True"]),
+                pools=len([r for r in state.renders.values() if isinstance(r, Render)]),
+                mean_active_tps=state.mean_active_tps,
+                floor_pressure=floor,
+            )
+        )
+    return out

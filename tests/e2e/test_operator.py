@@ -668,7 +668,7 @@ def test_unreachable_replica_keeps_the_finalizer(
             return obj if reason(obj, "Ready")[0] == "EngineUnreachable" else None
 
         obj = eventually("condition says the replica is unreachable", held, 60)
-        assert obj["metadata"]["finalizers"] == ["polykv.io/release-pools"]
+        assert obj["metadata"]["finalizers"] == ["polykv.io/finalizer"]
         assert condition(obj, "Ready") == "Unknown"
         assert rep.pod in reason(obj, "Ready")[1]
     finally:

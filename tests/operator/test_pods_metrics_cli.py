@@ -1,12 +1,17 @@
-"""What the handlers parse from pods, the metrics collector and the CLI wrapper."""
+"""Pod facts, the metrics collector, the CLI wrapper and the settings.
+
+Nothing here imports polykv_operator.handlers: importing it registers the handlers in kopf's
+process-wide registry, which an in-process kopf runner in the same test session would pick up.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from polykv_operator import cli, handlers, metrics
+from polykv_operator import cli, metrics
 from polykv_operator.config import Config, ConfigError
 from polykv_operator.fleet import Fleet, Observation
+from polykv_operator.pods import replica_ref
 
 from .builders import pod
 from .fake_engine import FakeEngine, FakePool
@@ -31,7 +36,7 @@ def test_replica_ref_from_a_pod() -> None:
             ],
         },
     }
-    ref = handlers.replica_ref("e-1", "u1", body)
+    ref = replica_ref("e-1", "u1", body)
     assert (ref.ip, ref.running, ref.ready, ref.gate, ref.restarts) == (
         "127.0.0.3",
         True,
@@ -48,12 +53,12 @@ def test_replica_ref_from_a_pod() -> None:
             ]
         },
     }
-    ref = handlers.replica_ref("e-2", "u2", waiting)
+    ref = replica_ref("e-2", "u2", waiting)
     assert ref.terminating and not ref.running and ref.waiting_reason == "CrashLoopBackOff"
     assert ref.gate is None and ref.ip is None
 
 
-def test_fleet_collector_exports_floor_pressure(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_fleet_collector_exports_floor_pressure() -> None:
     fleet = Fleet()
     st = fleet.get("ns", "eng")
     eng = FakeEngine()
@@ -67,9 +72,8 @@ def test_fleet_collector_exports_floor_pressure(monkeypatch) -> None:  # type: i
     st.pods["a"] = pod("a", "1.1.1.1", gate="True")
     st.replicas["a"] = Observation("a", "uid-a", "1.1.1.1", True, None, eng.listing())
     st.mean_active_tps = 12.0
-    monkeypatch.setattr(handlers, "FLEET", fleet)
     reg = CollectorRegistry()
-    reg.register(metrics.FleetCollector(handlers._figures))
+    reg.register(metrics.FleetCollector(lambda: metrics.figures(fleet)))
     text = generate_latest(reg).decode()
     assert 'polykv_engine_floor_pressure{engine="eng",namespace="ns"} 0.5' in text
     assert 'polykv_engine_replicas_pools_ready{engine="eng",namespace="ns"} 1.0' in text
@@ -108,3 +112,38 @@ def test_config_from_env(tmp_path) -> None:  # type: ignore[no-untyped-def]
         assert "POLYKV_OPERATOR_MASTER_KEY" in str(exc)
     else:
         raise AssertionError("a missing master key must be refused")
+
+
+def test_handler_ids_are_stable() -> None:
+    """kopf keys handler progress (annotations) by handler id; renaming one orphans the
+    progress of objects in flight. Checked in a child process: importing the handlers
+    registers them in kopf's process-wide registry."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, kopf, polykv_operator.handlers\n"
+        "reg = kopf.get_default_registry()\n"
+        "ids = set()\n"
+        "for r in (reg._changing, reg._spawning, reg._watching, reg._indexing):\n"
+        "    for h in r.get_all_handlers():\n"
+        "        ids.add(h.id)\n"
+        "print(json.dumps(sorted(ids)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    ids = set(json.loads(out.stdout))
+    assert {
+        "apply_engine",
+        "engine_round",
+        "forget_engine",
+        "link_parent",
+        "pool_status",
+        "release_pool",
+        "policy_status",
+        "engine_pod_event",
+        "engines_idx",
+        "pools_idx",
+        "policies_idx",
+        "pods_idx",
+    } <= ids, ids
