@@ -82,6 +82,14 @@ class RenderFailure:
 
 
 @dataclass(frozen=True)
+class CreateError:
+    """Why creating a pool on one replica failed."""
+
+    message: str
+    capacity: bool = False  # the engine has no free pool sequence id
+
+
+@dataclass(frozen=True)
 class Synced:
     """The replica incarnation whose readiness gate we turned True."""
 
@@ -97,7 +105,7 @@ class EngineState:
     pods: dict[str, ReplicaRef] = field(default_factory=dict)  # pod name -> last seen
     renders: dict[str, Render | RenderFailure] = field(default_factory=dict)  # pool uid ->
     # pool uid -> pod -> why creating it there failed (a capacity or name clash, say)
-    create_errors: dict[str, dict[str, str]] = field(default_factory=dict)
+    create_errors: dict[str, dict[str, CreateError]] = field(default_factory=dict)
     policy_errors: dict[str, str] = field(default_factory=dict)  # pool name -> message
     synced: dict[str, Synced] = field(default_factory=dict)  # pod uid ->
     deleting: set[str] = field(default_factory=set)  # pool uids whose release has begun

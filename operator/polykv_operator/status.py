@@ -107,12 +107,13 @@ def _pool_verdict(node: PoolNode, ctx: PoolContext) -> Verdict:
     errors = state.create_errors.get(node.uid, {})
     unreachable = [o for o in serving if not o.reachable]
     have = [o for o in serving if o.reachable and o.pool(node.name) is not None]
-    full = {e for e in errors.values() if "no free pool sequence id" in e}
+    full = sorted((pod, e.message) for pod, e in errors.items() if e.capacity)
     if full:
+        pod, message = full[0]
         return Verdict.stalled(
             "EngineFull",
-            f"{sorted(full)[0]} (on {len(full)} replica(s)); raise the engine's spec.maxPools or "
-            "delete pools",
+            f"replica {pod}: {message} ({len(full)} replica(s) full); raise the engine's "
+            "spec.maxPools or delete pools",
         )
     if unreachable:
         o = unreachable[0]
@@ -122,7 +123,7 @@ def _pool_verdict(node: PoolNode, ctx: PoolContext) -> Verdict:
             f"{len(have)}/{len(serving)} replicas",
         )
     if len(have) < len(serving):
-        detail = "; ".join(f"{pod}: {msg}" for pod, msg in sorted(errors.items()))
+        detail = "; ".join(f"{pod}: {e.message}" for pod, e in sorted(errors.items()))
         return Verdict.reconciling(
             "Materializing",
             f"materialized on {len(have)}/{len(serving)} replicas"

@@ -20,7 +20,15 @@ from polykv_api.models import AdmissionPolicy as EnginePolicy
 from . import gates, metrics
 from .api import PolyKVEngineSpec
 from .engine_client import EngineClient, EngineRejected, EngineUnreachable
-from .fleet import EngineState, Observation, Render, RenderFailure, ReplicaRef, Synced
+from .fleet import (
+    CreateError,
+    EngineState,
+    Observation,
+    Render,
+    RenderFailure,
+    ReplicaRef,
+    Synced,
+)
 from .policies import PolicyNode, engine_policy, same_policy, select
 from .tree import PoolNode, Problem, by_name, check, parents_first, request_body
 
@@ -243,10 +251,10 @@ class Round:
             res = await self.clients[obs.pod].create(want.parent, dict(want.body))
         except EngineUnreachable as exc:
             obs.reachable, obs.error = False, str(exc)
-            errors[obs.pod] = f"no answer: {exc}"
+            errors[obs.pod] = CreateError(f"no answer: {exc}")
             return
         except EngineRejected as exc:
-            errors[obs.pod] = exc.message
+            errors[obs.pod] = CreateError(exc.message, capacity=exc.capacity)
             log.warning(
                 "pool create failed ns=%s pool=%s pod=%s status=%s message=%s",
                 node.namespace,

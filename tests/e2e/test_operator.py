@@ -28,6 +28,7 @@ from polykv_operator.manifests import admin_key
 from polykv_testenv import ApiError, ControlPlane, ProcessNode
 from polykv_testenv.kubeapi import Gone
 from polykv_testenv.operator import OperatorProcess
+from polykv_testenv.waiting import free_port
 
 from .helpers import Obj, condition, eventually, get_or_none
 
@@ -101,6 +102,7 @@ class Operator:
             logs,
         )
         self.runs: list[OperatorProcess] = []
+        self.metrics_port = free_port()
 
     def start(self) -> Operator:
         env = {
@@ -108,6 +110,7 @@ class Operator:
             "POLYKV_OPERATOR_MASTER_KEY": MASTER,
             "POLYKV_OPERATOR_POLL_INTERVAL": "0.5",
             "POLYKV_OPERATOR_CAPACITY_EVERY": "2",
+            "POLYKV_OPERATOR_METRICS_PORT": str(self.metrics_port),
         }
         log = self.logs / f"operator-{len(self.runs)}.log"
         proc = OperatorProcess(self.cluster, "polykv_operator.handlers", self.namespace, log, env)
@@ -406,6 +409,12 @@ def test_tree_on_every_replica_scale_and_attach_by_name(
     engine = get(k8s_cluster, namespace, "polykvengines", "eng")["status"]
     assert engine["readyReplicas"] == 2 and engine["selector"] == "polykv.io/engine=eng"
     assert len({r["bootId"] for r in engine["replicaStatus"]}) == 2
+    scraped = httpx.get(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=10).text
+    labels = f'engine="eng",namespace="{namespace}"'
+    assert f"polykv_engine_replicas_pools_ready{{{labels}}} 2.0" in scraped
+    assert f"polykv_engine_pools{{{labels}}} 3.0" in scraped
+    assert 'polykv_operator_reconcile_total{handler="round",kind="engine",result="ok"}' in scraped
+    assert "polykv_operator_engine_poll_seconds_count" in scraped
 
 
 def test_engine_restart_rematerializes_the_tree_before_the_gate(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from polykv_api.models import AdmissionPolicy, PoolSession
 from polykv_operator.api import Condition
-from polykv_operator.fleet import EngineState, Observation, Render, RenderFailure
+from polykv_operator.fleet import CreateError, EngineState, Observation, Render, RenderFailure
 from polykv_operator.policies import engine_policy, select
 from polykv_operator.status import (
     PoolContext,
@@ -102,7 +102,9 @@ def test_waiting_for_the_parent_and_for_the_engine() -> None:
 
 def test_engine_full_stalls_with_a_fix() -> None:
     st = state_with({"a": engine_with()}, {"uid-root": RENDER})
-    st.create_errors["uid-root"] = {"a": "no free pool sequence id: all 8 reserved are in use"}
+    st.create_errors["uid-root"] = {
+        "a": CreateError("no free pool sequence id: all 8 reserved are in use", capacity=True)
+    }
     v = pool_verdict(ROOT, ctx([ROOT], {"eng": st}))
     assert v.reason == "EngineFull" and "maxPools" in v.message
 

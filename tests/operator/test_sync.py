@@ -134,7 +134,7 @@ def test_full_engine_is_recorded_per_replica() -> None:
     h.run(tree())
     assert len(h.engine().pools) == 2
     errors = [e for errs in h.state.create_errors.values() for e in errs.values()]
-    assert errors and "no free pool sequence id" in errors[0]
+    assert errors and errors[0].capacity and "no free pool sequence id" in errors[0].message
     assert h.gates == [("eng-1", False, "Materializing")]
 
 
