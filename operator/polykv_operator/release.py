@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from .engine_client import EngineClient, EngineRejected, EngineUnreachable
+from .faults import crash_point
 from .fleet import EngineState, ReplicaRef
 
 log = logging.getLogger("polykv.operator.release")
@@ -46,6 +47,7 @@ async def release_everywhere(
         try:
             if await client.release(name):
                 out.released.append(pod.name)
+                crash_point("pool-released")  # gone from the engine, finalizer still on
             else:
                 out.absent.append(pod.name)
         except EngineUnreachable as exc:

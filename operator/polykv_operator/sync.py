@@ -20,6 +20,7 @@ from polykv_api.models import AdmissionPolicy as EnginePolicy
 from . import gates, metrics
 from .api import PolyKVEngineSpec
 from .engine_client import EngineClient, EngineRejected, EngineUnreachable
+from .faults import crash_point
 from .fleet import (
     CreateError,
     EngineState,
@@ -266,6 +267,7 @@ class Round:
             return
         errors.pop(obs.pod, None)
         self.changed.add(obs.pod)
+        crash_point("pool-created")  # created on the engine, not yet in any status
         if res.pool is not None and obs.listing is not None:
             obs.listing.pools.append(res.pool)  # children in this round see their parent
         log.info(

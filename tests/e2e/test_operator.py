@@ -104,13 +104,14 @@ class Operator:
         self.runs: list[OperatorProcess] = []
         self.metrics_port = free_port()
 
-    def start(self) -> Operator:
+    def start(self, **extra: str) -> Operator:
         env = {
             "KUBECONFIG": str(self.kubeconfig),
             "POLYKV_OPERATOR_MASTER_KEY": MASTER,
             "POLYKV_OPERATOR_POLL_INTERVAL": "0.5",
             "POLYKV_OPERATOR_CAPACITY_EVERY": "2",
             "POLYKV_OPERATOR_METRICS_PORT": str(self.metrics_port),
+            **extra,
         }
         log = self.logs / f"operator-{len(self.runs)}.log"
         proc = OperatorProcess(self.cluster, "polykv_operator.handlers", self.namespace, log, env)
@@ -327,6 +328,10 @@ class PodWatch:
         return None
 
 
+def no_pools(cluster: ControlPlane, namespace: str) -> bool | None:
+    return True if not cluster.api.get(obj_path(namespace, "polykvpools"))["items"] else None
+
+
 def gate_of(obj: Obj) -> str | None:
     return condition(obj, GATE)
 
@@ -508,26 +513,28 @@ def test_delete_root_removes_the_tree_leaves_first(
     assert order.index("shell") < order.index("crew")
 
 
-def test_operator_killed_mid_reconcile_leaves_no_duplicate_and_no_lost_pool(
+def chain_manifests(n: int) -> list[Obj]:
+    out = [pool_manifest("p0", messages=[SYSTEM])]
+    for i in range(1, n):
+        turn = {"role": "user", "content": f"Step {i}: " + "expand the survey. " * 10}
+        out.append(pool_manifest(f"p{i}", parent=f"p{i - 1}", appendMessages=[turn]))
+    return out
+
+
+def test_operator_killed_mid_create_leaves_no_duplicate_and_no_lost_pool(
     k8s_cluster: ControlPlane, namespace: str, operator: Operator
 ) -> None:
     apply(k8s_cluster, namespace, engine_manifest())
     wait_condition(k8s_cluster, namespace, "polykvengines", "eng", "Ready")
     eng = EngineApi(k8s_cluster, namespace)
     (rep,) = replicas(k8s_cluster, namespace)
-    chain = [pool_manifest("p0", messages=[SYSTEM])]
-    for i in range(1, 6):
-        turn = {"role": "user", "content": f"Step {i}: " + "expand the survey. " * 20}
-        chain.append(pool_manifest(f"p{i}", parent=f"p{i - 1}", appendMessages=[turn]))
-    apply(k8s_cluster, namespace, *chain)
-    # SIGKILL as soon as the first pool is on the engine: the rest are mid-flight.
-    eventually(
-        "first pool created",
-        lambda: True if (eng.pools_or_none(rep.ip) or {}) else None,
-        60,
-    )
-    operator.kill()
+    # SIGKILL right after the 3rd pool is created on the engine, before any status says so.
+    operator.stop()
+    operator.start(POLYKV_OPERATOR_CRASH_AT="pool-created:3")
+    apply(k8s_cluster, namespace, *chain_manifests(6))
+    eventually("operator crashed", lambda: True if not operator.runs[-1].proc.alive() else None, 60)
     partial = eng.pools(rep.ip)
+    assert sorted(partial) == ["p0", "p1", "p2"]
     operator.start()
     for i in range(6):
         wait_condition(k8s_cluster, namespace, "polykvpools", f"p{i}", "Ready")
@@ -539,7 +546,25 @@ def test_operator_killed_mid_reconcile_leaves_no_duplicate_and_no_lost_pool(
         st = get(k8s_cluster, namespace, "polykvpools", f"p{i}")["status"]
         ((pod, pool_id),) = [(x["pod"], x["poolId"]) for x in st["replicas"]]
         assert (pod, pool_id) == (rep.pod, final[f"p{i}"].pool_id)
-        assert st["depth"] == i
+        assert st["depth"] == i and st["path"] == "/".join(f"p{j}" for j in range(i + 1))
+
+
+def test_operator_killed_mid_delete_leaks_nothing(
+    k8s_cluster: ControlPlane, namespace: str, operator: Operator
+) -> None:
+    # SIGKILL right after the 2nd release on the engine, before its finalizer is removed.
+    operator.stop()
+    operator.start(POLYKV_OPERATOR_CRASH_AT="pool-released:2")
+    apply(k8s_cluster, namespace, engine_manifest(), *chain_manifests(4))
+    wait_condition(k8s_cluster, namespace, "polykvpools", "p3", "Ready")
+    eng = EngineApi(k8s_cluster, namespace)
+    (rep,) = replicas(k8s_cluster, namespace)
+    k8s_cluster.kubectl("delete", "polykvpool/p0", "-n", namespace, "--wait=false")
+    eventually("operator crashed", lambda: True if not operator.runs[-1].proc.alive() else None, 60)
+    assert sorted(eng.pools(rep.ip)) == ["p0", "p1"]  # leaves first: p3, then p2
+    operator.start()
+    eventually("every pool gone from the API", lambda: no_pools(k8s_cluster, namespace), 60)
+    assert eng.pools(rep.ip) == {}
 
 
 def test_invalid_specs_stall_with_a_precise_reason(

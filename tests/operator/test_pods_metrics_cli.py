@@ -147,3 +147,17 @@ def test_handler_ids_are_stable() -> None:
         "policies_idx",
         "pods_idx",
     } <= ids, ids
+
+
+def test_crash_point_kills_only_at_its_count() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "from polykv_operator.faults import crash_point\n"
+        "crash_point('other'); crash_point('p'); print('alive', flush=True); crash_point('p')\n"
+        "print('not reached')\n"
+    )
+    env = {"POLYKV_OPERATOR_CRASH_AT": "p:2", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == -9 and out.stdout == "alive\n"
