@@ -191,3 +191,36 @@ def test_capacity_is_read_for_declared_pools() -> None:
     h.run([pool("root", text=ROOT)])
     obs = h.state.replicas["eng-1"]
     assert obs.capacity["root"].compaction_pressure == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize(
+    ("status", "etype", "message", "reason"),
+    [
+        (400, "exceed_context_size_error", "the prompt has 9000 tokens", "PrefixTooLong"),
+        (
+            409,
+            "invalid_request_error",
+            "pool 'x' already exists with a different prefix",
+            "NameConflict",
+        ),
+        (
+            409,
+            "invalid_request_error",
+            "the child shares no tokens with parent 'r'",
+            "NoCommonPrefix",
+        ),
+        (
+            409,
+            "invalid_request_error",
+            "branch_pos 5 is beyond the end of the child's prefix",
+            "BranchPosInvalid",
+        ),
+        (400, "invalid_request_error", "tokens: ids outside the vocabulary", "PrefixRejected"),
+    ],
+)
+def test_engine_refusals_get_reasons(status: int, etype: str, message: str, reason: str) -> None:
+    from polykv_operator.engine_client import EngineRejected
+    from polykv_operator.sync import rejected_reason
+
+    failure = rejected_reason(EngineRejected(status, message, etype), "pod-a", "x")
+    assert failure.reason == reason and message in failure.message
