@@ -56,11 +56,12 @@ FINALIZER = "polykv.io/finalizer"
 
 
 class Runtime:
-    """Clients created at startup and closed at cleanup."""
+    """The clients: one for the engines, one for our own API writes (kopf's credentials)."""
 
-    connection: Any = None
-    http: httpx.AsyncClient | None = None
-    kube: Kube | None = None
+    def __init__(self) -> None:
+        self.connection: Any = None  # a kopf.ConnectionInfo, set by the login handler
+        self.http: httpx.AsyncClient | None = None
+        self.kube: Kube | None = None
 
     def engine_http(self) -> httpx.AsyncClient:
         if self.http is None:
@@ -76,7 +77,6 @@ class Runtime:
 
 
 RT = Runtime()
-EngineKwargs = dict[str, Any]
 
 
 # ------------------------------------------------------------------------ operator setup
