@@ -314,6 +314,16 @@ class PoolSession(BaseModel):
     state: Literal["idle", "prefill", "decoding"]
 
 
+class CapacitySummary(BaseModel):
+    """The admission verdict in brief, so one pool listing carries it for every pool."""
+
+    can_admit: bool
+    reason: str
+    headroom_sessions: int
+    settling: bool
+    compaction_pressure: float
+
+
 class PoolStatus(BaseModel):
     pool_id: int
     name: str | None
@@ -336,6 +346,9 @@ class PoolStatus(BaseModel):
     sessions: list[PoolSession]
     seq_id: int | None
     admission: AdmissionPolicy | None = None
+    capacity: CapacitySummary | None = Field(
+        None, description="admission verdict for one more session (no expected_tokens)"
+    )
 
 
 class PoolList(BaseModel):

@@ -32,6 +32,18 @@ def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
+def canonical(value: Any) -> Any:
+    """Dicts with sorted keys, recursively. Tool definitions are rendered canonically so the
+    same tools give the same tokens whatever key order a client (or the Kubernetes API
+    server, which sorts keys) sends them in: otherwise a pool's prefix stops matching at the
+    tools block."""
+    if isinstance(value, dict):
+        return {k: canonical(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [canonical(v) for v in value]
+    return value
+
+
 class ChatRenderer:
     def __init__(self, template: str | None, bos_token: str, eos_token: str) -> None:
         self.source = template or CHATML_TEMPLATE
@@ -56,7 +68,7 @@ class ChatRenderer:
         variables: dict[str, Any] = dict(extra or {})
         variables.update(
             messages=messages,
-            tools=tools or None,
+            tools=canonical(tools) if tools else None,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,

@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="key for mutating /polykv routes (default: the API key)",
     )
     p.add_argument(
+        "--polykv-admin-key-file",
+        type=Path,
+        help="file with one admin key per line (also: the POLYKV_ADMIN_KEY variable)",
+    )
+    p.add_argument(
         "--polykv-pool-grace-ms",
         type=int,
         default=10_000,
@@ -161,17 +166,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, ...]:
-    keys = [k for k in args.api_key if k]
-    env_key = os.environ.get("LLAMA_API_KEY")
-    if env_key:
-        keys.append(env_key)
-    if args.api_key_file:
-        try:
-            keys += [ln.strip() for ln in args.api_key_file.read_text().splitlines() if ln.strip()]
-        except OSError as exc:
-            parser.error(f"--api-key-file: {exc}")
-    return tuple(keys)
+def _read_keys(path: Path | None, flag: str, parser: argparse.ArgumentParser) -> list[str]:
+    if path is None:
+        return []
+    try:
+        return [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+    except OSError as exc:
+        parser.error(f"{flag}: {exc}")
+
+
+def _keys(
+    given: list[str], env: str, path: Path | None, flag: str, parser: argparse.ArgumentParser
+) -> tuple[str, ...]:
+    """Keys from flags, an environment variable and a file (files and env keep secrets out
+    of the process's argv, which anyone in the pod can read with ps)."""
+    keys = [k for k in given if k]
+    if os.environ.get(env):
+        keys.append(os.environ[env])
+    return tuple(keys + _read_keys(path, flag, parser))
 
 
 def config_from_args(
@@ -202,7 +214,14 @@ def config_from_args(
         )
     if not 50 <= args.polykv_tps_interval_ms <= 60_000:
         parser.error("--polykv-tps-interval-ms must be between 50 and 60000")
-    api_keys = _keys(args, parser)
+    api_keys = _keys(args.api_key, "LLAMA_API_KEY", args.api_key_file, "--api-key-file", parser)
+    admin_keys = _keys(
+        args.polykv_admin_key,
+        "POLYKV_ADMIN_KEY",
+        args.polykv_admin_key_file,
+        "--polykv-admin-key-file",
+        parser,
+    )
     runtime = RuntimeConfig(
         model_path=args.model,
         n_ctx=args.ctx_size,
@@ -229,7 +248,7 @@ def config_from_args(
         host=args.host,
         port=args.port,
         api_keys=api_keys,
-        admin_keys=tuple(args.polykv_admin_key) or api_keys,
+        admin_keys=admin_keys or api_keys,
         metrics=args.metrics,
         model_alias=args.alias,
         tps_stream_interval_ms=args.polykv_tps_interval_ms,

@@ -16,9 +16,11 @@ from aiohttp import web
 from polykv_api.models import (
     AdmissionPolicy,
     CapacityReport,
+    CapacitySummary,
     PoolCreated,
     PoolCreateRequest,
     PoolForkRequest,
+    PoolList,
     PoolPrefix,
 )
 
@@ -46,6 +48,26 @@ async def on_engine(ctx: AppContext, fn: Callable[[Engine], T]) -> T:
         return await asyncio.wrap_future(ctx.engine.call(fn))
     except PoolError as exc:
         raise _api_error(exc) from exc
+
+
+async def pool_listing(ctx: AppContext, ref: int | str | None = None) -> PoolList:
+    """The engine's listing plus each pool's capacity summary from the admission gate."""
+    listing = await on_engine(ctx, lambda e: engine_pools.listing(e, ctx.boot_id, ref))
+    snap = ctx.engine.snapshot
+    assert ctx.gate is not None
+    for status in listing.pools:
+        pool = snap.pool(status.pool_id)
+        if pool is None:
+            continue
+        cap = ctx.gate.capacity(pool, None, None)
+        status.capacity = CapacitySummary(
+            can_admit=cap.can_admit,
+            reason=cap.reason,
+            headroom_sessions=cap.headroom_sessions,
+            settling=cap.settling,
+            compaction_pressure=cap.compaction_pressure,
+        )
+    return listing
 
 
 def _ref(request: web.Request) -> int | str:
@@ -104,7 +126,7 @@ async def _create(request: web.Request, req: PoolPrefix, parent: int | str | Non
     except PoolError as exc:
         raise _api_error(exc) from exc
     pool_id = result.pool.pool_id
-    listing = await on_engine(ctx, lambda e: engine_pools.listing(e, ctx.boot_id, pool_id))
+    listing = await pool_listing(ctx, pool_id)
     status = listing.pools[0]
     body = PoolCreated(
         created=result.created,
@@ -136,7 +158,7 @@ def _action(name: engine_pools.Action) -> Callable[[web.Request], Any]:
         ctx = ctx_of(request)
         ref = _ref(request)
         await on_engine(ctx, lambda e: engine_pools.act(e, ref, name))
-        listing = await on_engine(ctx, lambda e: engine_pools.listing(e, ctx.boot_id, ref))
+        listing = await pool_listing(ctx, ref)
         return web.json_response(listing.pools[0].model_dump())
 
     handler.__name__ = f"{name}_pool"
@@ -153,14 +175,14 @@ async def release_pool(request: web.Request) -> web.Response:
 
 async def list_pools(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
-    listing = await on_engine(ctx, lambda e: engine_pools.listing(e, ctx.boot_id))
+    listing = await pool_listing(ctx)
     return web.json_response(listing.model_dump())
 
 
 async def get_pool(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     ref = _ref(request)
-    listing = await on_engine(ctx, lambda e: engine_pools.listing(e, ctx.boot_id, ref))
+    listing = await pool_listing(ctx, ref)
     body = listing.pools[0].model_dump()
     body["descendants"] = [p.model_dump() for p in listing.pools[1:]]
     body["boot_id"] = ctx.boot_id
@@ -171,7 +193,7 @@ async def _apply_admission(request: web.Request, policy: Policy | None) -> web.R
     ctx = ctx_of(request)
     ref = _ref(request)
     await on_engine(ctx, lambda e: engine_pools.set_admission(e, ref, policy))
-    listing = await on_engine(ctx, lambda e: engine_pools.listing(e, ctx.boot_id, ref))
+    listing = await pool_listing(ctx, ref)
     return web.json_response(listing.pools[0].model_dump())
 
 

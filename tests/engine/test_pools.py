@@ -321,3 +321,25 @@ def test_chat_pool_from_messages_is_shared_by_chat_attach(pc: httpx.Client) -> N
     assert r.status_code == 200, r.text
     assert r.json()["timings"]["cache_n"] >= p["prefix_len"] - 1
     check_accounting(pc)
+
+
+def test_tools_in_any_key_order_share_the_pool(pc: httpx.Client) -> None:
+    system = {"role": "system", "content": SYSTEM}
+    tool = {"type": "function", "function": {"name": "search", "description": "find things",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}  # fmt: skip
+    p = create(pc, messages=[system], tools=[tool], name="tools-root")
+    shuffled = {"function": {"parameters": {"properties": {"q": {"type": "string"}},
+                "type": "object"}, "description": "find things", "name": "search"},
+                "type": "function"}  # fmt: skip
+    body = {"messages": [system, {"role": "user", "content": "hi"}], "tools": [shuffled],
+            "max_tokens": 4, "temperature": 0, "pool_id": "tools-root"}  # fmt: skip
+    r = pc.post("/v1/chat/completions", json=body, headers=ADMIN)
+    assert r.json()["timings"]["cache_n"] >= p["prefix_len"] - 1
+
+
+def test_listing_carries_each_pools_capacity(pc: httpx.Client) -> None:
+    create(pc, prompt=SYSTEM, name="cap-root")
+    (pool,) = listing(pc)["pools"]
+    cap = pool["capacity"]
+    assert cap["can_admit"] is True and cap["reason"] == "ok"
+    assert cap["headroom_sessions"] >= 1 and 0.0 <= cap["compaction_pressure"] <= 1.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -119,3 +120,16 @@ def test_metrics_disabled_is_501(start_engine: Callable[..., EngineProcess]) -> 
 def test_bad_tps_interval(client: httpx.Client) -> None:
     r = client.get("/polykv/tps?interval_ms=5", headers={"Accept": "text/event-stream"})
     assert_error(r, 400, "invalid_request_error", "interval_ms")
+
+
+def test_admin_key_from_file_and_environment(
+    start_engine: Callable[..., EngineProcess], tmp_path: Path
+) -> None:
+    key_file = tmp_path / "admin.keys"
+    key_file.write_text("from-file\n")
+    eng = start_engine("--api-key", "infer", "--polykv-admin-key-file", str(key_file))
+    with httpx.Client(base_url=eng.base_url, timeout=30) as c:
+        body = {"prompt": "a pool"}
+        assert c.post("/polykv/pools", json=body, headers={"X-Api-Key": "infer"}).status_code == 403
+        r = c.post("/polykv/pools", json=body, headers={"X-Api-Key": "from-file"})
+        assert r.status_code == 201, r.text
