@@ -17,7 +17,7 @@ from .gates import GATE
 
 ENGINE_LABEL = "polykv.io/engine"
 ADMIN_KEY_ENV = "POLYKV_ADMIN_KEY"
-API_KEY_ENV = "POLYKV_API_KEY"
+API_KEY_ENV = "LLAMA_API_KEY"  # the engine reads both keys from its environment
 ADMIN_SECRET_KEY = "admin-key"
 CONTAINER = "engine"
 RUN_AS = 65532  # the conventional "nonroot" uid
@@ -74,13 +74,10 @@ def engine_args(spec: PolyKVEngineSpec) -> list[str]:
         "--port", str(spec.port),
         "--metrics",
         "--log-format", "json",
-        # $(VAR) is expanded by the kubelet from the container's env (a Secret).
-        "--polykv-admin-key", f"$({ADMIN_KEY_ENV})",
+        # The keys come from the container's env (Secrets), never argv: argv shows in ps.
     ]  # fmt: skip
     if spec.threads is not None:
         args += ["-t", str(spec.threads)]
-    if spec.api_key_secret_ref is not None:
-        args += ["--api-key", f"$({API_KEY_ENV})"]
     return args + list(spec.extra_args or [])
 
 

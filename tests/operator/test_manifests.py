@@ -28,7 +28,8 @@ def test_deployment_flags_gate_and_probes() -> None:
         "16",
     ]
     assert args[args.index("-t") + 1] == "2"
-    assert args[args.index("--polykv-admin-key") + 1] == "$(POLYKV_ADMIN_KEY)"
+    assert not any("key" in a for a in args)  # secrets travel in env, not argv
+    assert c["env"][0]["name"] == "POLYKV_ADMIN_KEY"
     assert c["env"][0]["valueFrom"]["secretKeyRef"] == {
         "name": "qwen-polykv-admin",
         "key": "admin-key",
@@ -81,7 +82,8 @@ def test_model_volume_and_init() -> None:
 def test_api_key_from_a_secret() -> None:
     spec = engine_spec(apiKeySecretRef={"name": "keys", "key": "inference"})
     c = manifests.deployment("e", spec)["spec"]["template"]["spec"]["containers"][0]
-    assert c["args"][c["args"].index("--api-key") + 1] == "$(POLYKV_API_KEY)"
+    assert "--api-key" not in c["args"]
+    assert c["env"][1]["name"] == "LLAMA_API_KEY"
     assert c["env"][1]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "inference"}
 
 
