@@ -92,12 +92,7 @@ class ResponseBuilder:
             }
             obj = "chat.completion"
         return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": "polykv",
-            "choices": [choice],
+            **self._envelope(obj, [choice]),
             "usage": _usage(r),
             "timings": timings(r).model_dump(),
             "polykv": _polykv(r),
@@ -182,11 +177,14 @@ class ResponseBuilder:
 
     def _oai_chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.route == "oai_chat" else "text_completion"
+        return self._envelope(obj, [choice] if choice is not None else [])
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": obj,
             "created": self.created,
             "model": self.model,
             "system_fingerprint": "polykv",
-            "choices": [choice] if choice is not None else [],
+            "choices": choices,
         }

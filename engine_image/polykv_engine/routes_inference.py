@@ -64,17 +64,7 @@ def _task_from(
         raise ApiError(400, "x-session-id: at most 256 characters")
     return GenerateTask(
         prompt=prompt,
-        sampling=SamplingParams(
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
-            min_p=req.min_p,
-            seed=req.seed,
-            repeat_penalty=req.repeat_penalty,
-            repeat_last_n=req.repeat_last_n,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-        ),
+        sampling=SamplingParams(**{f: getattr(req, f) for f in SamplingParams.field_names()}),
         stop=StopParams(n_predict=n_predict, stops=tuple(req.stop), ignore_eos=req.ignore_eos),
         sink=sink,
         session_id=session,

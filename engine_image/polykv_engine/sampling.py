@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,19 +33,11 @@ class SamplingParams:
 
     def resolved(self) -> SamplingParams:
         """Replace seed -1 with a concrete random seed so a response can report it."""
-        if self.seed >= 0:
-            return self
-        return SamplingParams(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            seed=random.getrandbits(32),
-            repeat_penalty=self.repeat_penalty,
-            repeat_last_n=self.repeat_last_n,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-        )
+        return self if self.seed >= 0 else replace(self, seed=random.getrandbits(32))
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
 
 
 @dataclass(frozen=True, slots=True)
