@@ -64,6 +64,10 @@ class Demo:
             print(out.stdout, end="", flush=True)
         return out.stdout
 
+    def jsonpath(self, path: str, *what: str) -> str:
+        """`kubectl get WHAT -n agents -o jsonpath=PATH`."""
+        return self.kubectl("get", *what, "-n", NS, "-o", f"jsonpath={path}", quiet=True)
+
     # -- operator ------------------------------------------------------------------------
 
     def install(self) -> None:
@@ -159,25 +163,11 @@ class Demo:
         say("an agent attaches to pool 'planner' by name (OpenAI chat API on a replica)")
         docs = list(yaml.safe_load_all((ROOT / "examples" / "pools.yaml").read_text()))
         crew, planner = docs[0]["spec"], docs[1]["spec"]
-        uid = self.kubectl(
-            "get", "polykvengine/demo", "-n", NS, "-o", "jsonpath={.metadata.uid}", quiet=True
-        )
+        uid = self.jsonpath("{.metadata.uid}", "polykvengine/demo")
         from polykv_operator.manifests import admin_key
 
         key = admin_key(MASTER_KEY, NS, "demo", uid)
-        ip = self.kubectl(
-            "get",
-            "pods",
-            "-n",
-            NS,
-            "-l",
-            "polykv.io/engine=demo",
-            "-o",
-            "jsonpath={.items[0].status.podIP}",
-            quiet=True,
-        )
-        # Tools as the API server stores them (sorted keys), so the rendering matches.
-        tools = json.loads(json.dumps(crew["tools"], sort_keys=True))
+        ip = self.jsonpath("{.items[0].status.podIP}", "pods", "-l", "polykv.io/engine=demo")
         messages = [
             *crew["messages"],
             *planner["appendMessages"],
@@ -189,7 +179,7 @@ class Demo:
             json={
                 "pool_id": "planner",
                 "messages": messages,
-                "tools": tools,
+                "tools": crew["tools"],  # as written in pools.yaml: any key order reuses
                 "max_tokens": 12,
                 "temperature": 0,
             },
@@ -197,10 +187,13 @@ class Demo:
         )
         r.raise_for_status()
         t = r.json()["timings"]
+        prefix_len = int(self.jsonpath("{.status.prefixLen}", "polykvpool/planner"))
         print(
-            f"   prompt tokens from the pool: {t['cache_n']}, computed for this session: "
-            f"{t['prompt_n']}"
+            f"   prompt tokens from the pool: {t['cache_n']} (its prefix: {prefix_len}), "
+            f"computed for this session: {t['prompt_n']}"
         )
+        if t["cache_n"] < prefix_len - 1:
+            raise SystemExit(f"the session reused {t['cache_n']} of {prefix_len} pool tokens")
 
     def show(self) -> None:
         say(f"kubectl get polykv -n {NS}")

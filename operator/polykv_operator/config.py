@@ -14,9 +14,8 @@ class ConfigError(RuntimeError):
 @dataclass(frozen=True)
 class Config:
     poll_interval_s: float = 5.0
-    """Seconds between two polls of one replica (and between status refreshes)."""
-    capacity_every: int = 3
-    """Rounds between two capacity reads of each pool (a call per pool and replica)."""
+    """Seconds between two polls of one replica (and between status refreshes). One poll is
+    one `GET /polykv/pools`: it carries every pool's capacity and compaction pressure."""
     metrics_port: int | None = None
     """Where /metrics is served; None: not served."""
     master_key: str = ""
@@ -32,7 +31,6 @@ class Config:
         port = e.get("POLYKV_OPERATOR_METRICS_PORT")
         return cls(
             poll_interval_s=float(e.get("POLYKV_OPERATOR_POLL_INTERVAL", "5")),
-            capacity_every=int(e.get("POLYKV_OPERATOR_CAPACITY_EVERY", "3")),
             metrics_port=int(port) if port else None,
             master_key=key,
         )

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from polykv_api.models import AdmissionPolicy, CapacityReport, PoolCreated, PoolList, PoolStatus
+from polykv_api.models import AdmissionPolicy, PoolCreated, PoolList, PoolStatus
 
 from . import metrics
 
@@ -97,11 +97,6 @@ class EngineClient:
 
     async def list_pools(self) -> PoolList:
         return await self._call("GET", "/polykv/pools", PoolList, op="list")
-
-    async def capacity(self, ref: str) -> CapacityReport:
-        return await self._call(
-            "GET", f"/polykv/pools/{ref}/capacity", CapacityReport, op="capacity"
-        )
 
     async def create(self, parent: str | None, body: dict[str, Any]) -> PoolCreated:
         path = "/polykv/pools" if parent is None else f"/polykv/pools/{parent}/fork"

@@ -11,7 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from polykv_api.models import CapacityReport, PoolList, PoolStatus
+from polykv_api.models import PoolList, PoolStatus
 
 EngineKey = tuple[str, str]  # (namespace, engine name)
 
@@ -36,7 +36,8 @@ class ReplicaRef:
 
 @dataclass
 class Observation:
-    """One replica at the last poll."""
+    """One replica at the last poll: its pool listing, which carries each pool's live
+    figures, admission policy and capacity summary."""
 
     pod: str
     uid: str
@@ -44,7 +45,6 @@ class Observation:
     reachable: bool
     error: str | None = None
     listing: PoolList | None = None
-    capacity: dict[str, CapacityReport] = field(default_factory=dict)
     at: float = field(default_factory=time.time)
 
     def pool(self, name: str) -> PoolStatus | None:

@@ -310,7 +310,7 @@ async def engine_round(
         await kube.set_gate(namespace, pod, want)
 
     try:
-        await Round(view, state, RT.engine_http(), write_gate, CONFIG.capacity_every).run()
+        await Round(view, state, RT.engine_http(), write_gate).run()
         metrics.ROUNDS.labels("ok").inc()
     except Exception:
         metrics.ROUNDS.labels("error").inc()

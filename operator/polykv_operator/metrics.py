@@ -26,7 +26,7 @@ RECONCILES = Counter(
 )
 POLLS = Histogram(
     "polykv_operator_engine_poll_seconds",
-    "Time to poll one engine replica (GET /polykv/pools, plus capacity on some rounds)",
+    "Time to poll one engine replica (one GET /polykv/pools, capacity included)",
     ["result"],
     registry=REGISTRY,
 )

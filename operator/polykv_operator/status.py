@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from polykv_api.models import CapacitySummary as EngineCapacity
+
 from .api import (
     AdmissionPolicyStatus,
     CapacitySummary,
@@ -163,8 +165,7 @@ def _observed(st: PolyKVPoolStatus, name: str, serving: Sequence[Observation]) -
     tps: list[float] = []
     sessions = own = subtree = 0
     orphaned = False
-    pressure: list[float] = []
-    caps = []
+    caps: list[EngineCapacity] = []  # from the listing: one summary per replica
     for obs in serving:
         p = obs.pool(name)
         if p is None or obs.boot_id is None:
@@ -177,19 +178,16 @@ def _observed(st: PolyKVPoolStatus, name: str, serving: Sequence[Observation]) -
         own += p.own_kv_bytes
         subtree += p.subtree_kv_bytes
         orphaned = orphaned or p.orphaned_pin
-        cap = obs.capacity.get(name)
-        if cap is not None:
-            pressure.append(cap.compaction_pressure)
-            caps.append(cap)
+        if p.capacity is not None:
+            caps.append(p.capacity)
     if not replicas:
         return
     st.replicas = replicas
     st.sessions = sessions
     st.mean_active_tps = _tps(tps)
     st.own_kv_bytes, st.subtree_kv_bytes, st.orphaned_pin = own, subtree, orphaned
-    if pressure:
-        st.compaction_pressure = round(max(pressure), 2)
     if caps:
+        st.compaction_pressure = round(max(c.compaction_pressure for c in caps), 2)
         refusing = [c for c in caps if not c.can_admit]
         st.capacity = CapacitySummary(
             can_admit=not refusing,

@@ -67,26 +67,16 @@ def client_for(
     return EngineClient(http, f"http://{pod.ip}:{view.spec.port}", state.admin_key)
 
 
-async def poll(
-    client: EngineClient, pod: ReplicaRef, declared: Sequence[str], with_capacity: bool
-) -> Observation:
+async def poll(client: EngineClient, pod: ReplicaRef) -> Observation:
+    """One `GET /polykv/pools`: the pools with their live figures and capacity summaries."""
     t0 = time.monotonic()
     try:
         listing = await client.list_pools()
     except (EngineUnreachable, EngineRejected) as exc:
         metrics.POLLS.labels(result="unreachable").observe(time.monotonic() - t0)
         return Observation(pod.name, pod.uid, pod.ip, reachable=False, error=str(exc))
-    obs = Observation(pod.name, pod.uid, pod.ip, reachable=True, listing=listing)
-    if with_capacity:
-        present = [n for n in declared if obs.pool(n) is not None]
-        reports = await asyncio.gather(
-            *(client.capacity(n) for n in present), return_exceptions=True
-        )
-        for name, rep in zip(present, reports, strict=True):
-            if not isinstance(rep, BaseException):
-                obs.capacity[name] = rep
     metrics.POLLS.labels(result="ok").observe(time.monotonic() - t0)
-    return obs
+    return Observation(pod.name, pod.uid, pod.ip, reachable=True, listing=listing)
 
 
 def rejected_reason(exc: EngineRejected, pod: str, name: str) -> RenderFailure:
@@ -118,13 +108,11 @@ class Round:
         state: EngineState,
         http: httpx.AsyncClient,
         write_gate: GateWriter,
-        capacity_every: int = 3,
     ) -> None:
         self.view = view
         self.state = state
         self.http = http
         self.write_gate = write_gate
-        self.capacity_every = max(1, capacity_every)
         self.pools = by_name(view.pools)
         self.mine = [n for n in view.pools if n.engine == view.name]
         self.clients: dict[str, EngineClient] = {}
@@ -140,25 +128,16 @@ class Round:
         st.pods = dict(self.pods)
         serving = [p for p in self.pods.values() if p.ready and p.ip]
         self.clients = {p.name: client_for(self.http, self.view, st, p) for p in serving}
-        await self._poll_all(serving, with_capacity=(st.rounds - 1) % self.capacity_every == 0)
+        await self._poll_all(serving)
         await self._gates(final=False)
         async with st.lock:
             await self._converge()
         if self.changed:
-            await self._poll_all([self.pods[n] for n in self.changed], with_capacity=False)
+            await self._poll_all([self.pods[n] for n in self.changed])
         await self._gates(final=True)
 
-    async def _poll_all(self, pods: Sequence[ReplicaRef], with_capacity: bool) -> None:
-        declared = [n.name for n in self.mine]
-        found = await asyncio.gather(
-            *(poll(self.clients[p.name], p, declared, with_capacity) for p in pods)
-        )
-        if not with_capacity:
-            # Keep the last capacity reports on a listing-only poll.
-            for obs in found:
-                old = self.state.replicas.get(obs.pod)
-                if old is not None and obs.reachable and not obs.capacity:
-                    obs.capacity = old.capacity
+    async def _poll_all(self, pods: Sequence[ReplicaRef]) -> None:
+        found = await asyncio.gather(*(poll(self.clients[p.name], p) for p in pods))
         alive = set(self.pods)
         self.state.replicas = {k: v for k, v in self.state.replicas.items() if k in alive}
         for obs in found:

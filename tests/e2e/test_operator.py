@@ -42,17 +42,17 @@ GATE = "polykv.io/pools-ready"
 SYSTEM = {"role": "system", "content": "You are the research crew. Cite sources, be brief."}
 BRIEF = {"role": "user", "content": "Task briefing: survey shared-prefix KV caching."}
 SHELL = {"role": "system", "content": "You are the research crew. Use the shell sandbox."}
-# Sorted keys: the API server stores objects with sorted keys, and the engine renders tools
-# in the order it is given (see operator/NEEDS_FROM_ENGINE.md).
+# In the order an agent writes it, not sorted: the API server stores a pool's tools with
+# sorted keys, and the engine renders tools canonically, so attaching with this order still
+# reuses the pool's whole prefix (the test checks both).
 TOOL = {
-    "function": {
-        "description": "Search the web",
-        "name": "search",
-        "parameters": {"properties": {"q": {"type": "string"}}, "type": "object"},
-    },
     "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Search the web",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+    },
 }
-
 
 # ---------------------------------------------------------------------------- fixtures
 
@@ -109,7 +109,6 @@ class Operator:
             "KUBECONFIG": str(self.kubeconfig),
             "POLYKV_OPERATOR_MASTER_KEY": MASTER,
             "POLYKV_OPERATOR_POLL_INTERVAL": "0.5",
-            "POLYKV_OPERATOR_CAPACITY_EVERY": "2",
             "POLYKV_OPERATOR_METRICS_PORT": str(self.metrics_port),
             **extra,
         }
@@ -384,9 +383,17 @@ def test_tree_on_every_replica_scale_and_attach_by_name(
             n: get(k8s_cluster, namespace, "polykvpools", n)["status"]
             for n in ("crew", "planner", "shell")
         }
-        return out if all(len(st.get("replicas") or []) == 2 for st in out.values()) else None
+        listed = all(len(st.get("replicas") or []) == 2 and "capacity" in st for st in out.values())
+        return out if listed else None
 
-    statuses = eventually("pool status lists both replicas", on_both, 30)
+    statuses = eventually("pool status lists both replicas and capacity", on_both, 30)
+    for st in statuses.values():
+        # From the listing: idle pools admit, with a slot free on each replica.
+        assert st["capacity"]["canAdmit"] and st["capacity"]["reason"] == "ok", st
+        assert st["capacity"]["headroomSessions"] >= 2 and not st["capacity"]["settling"], st
+        assert 0.0 <= st["compactionPressure"] <= 1.0, st
+    stored = get(k8s_cluster, namespace, "polykvpools", "crew")["spec"]["tools"]
+    assert stored == [TOOL] and json.dumps(stored) != json.dumps([TOOL])  # other key order
     for r in both:
         listed = eng.pools(r.ip)
         for name, st in statuses.items():
@@ -398,7 +405,8 @@ def test_tree_on_every_replica_scale_and_attach_by_name(
             )
             assert {x["pod"]: x["poolId"] for x in st["replicas"]}[r.pod] == p.pool_id
         assert listed["planner"].parent_name == "crew" and listed["shell"].parent_name == "crew"
-        # A session attaching by pool name reuses the whole prefix on every replica.
+        # A session attaching by pool name reuses the whole prefix on every replica, its tools
+        # in its own key order.
         go = {"role": "user", "content": "Go."}
         attaches = {
             "crew": ([SYSTEM, go], [TOOL]),
@@ -420,6 +428,7 @@ def test_tree_on_every_replica_scale_and_attach_by_name(
     assert f"polykv_engine_pools{{{labels}}} 3.0" in scraped
     assert 'polykv_operator_reconcile_total{handler="round",kind="engine",result="ok"}' in scraped
     assert "polykv_operator_engine_poll_seconds_count" in scraped
+    assert 'op="list"' in scraped and 'op="capacity"' not in scraped  # one listing, no more
 
 
 def test_engine_restart_rematerializes_the_tree_before_the_gate(

@@ -14,7 +14,7 @@ import httpx
 
 from polykv_api.models import (
     AdmissionPolicy,
-    CapacityReport,
+    CapacitySummary,
     PoolCreated,
     PoolList,
     PoolStatus,
@@ -39,6 +39,23 @@ def lcp(a: list[int], b: list[int]) -> int:
     return n
 
 
+def summary(
+    can_admit: bool = True,
+    reason: str = "ok",
+    headroom_sessions: int = 3,
+    settling: bool = False,
+    compaction_pressure: float = 0.25,
+) -> CapacitySummary:
+    """A pool's capacity summary as the engine lists it (an idle pool by default)."""
+    return CapacitySummary(
+        can_admit=can_admit,
+        reason=reason,
+        headroom_sessions=headroom_sessions,
+        settling=settling,
+        compaction_pressure=compaction_pressure,
+    )
+
+
 @dataclass
 class FakePool:
     pool_id: int
@@ -47,6 +64,7 @@ class FakePool:
     tokens: list[int]
     branch_pos: int
     admission: AdmissionPolicy | None = None
+    capacity: CapacitySummary | None = field(default_factory=summary)  # None: an older engine
 
     def status(self) -> PoolStatus:
         return PoolStatus(
@@ -71,6 +89,7 @@ class FakePool:
             sessions=[],
             seq_id=self.pool_id,
             admission=self.admission,
+            capacity=self.capacity,
         )
 
 
@@ -115,8 +134,6 @@ class FakeEngine:
         if verb == "admission":
             pool.admission = AdmissionPolicy.model_validate(body) if method == "POST" else None
             return self._json(200, pool.status().model_dump())
-        if verb == "capacity":
-            return self._json(200, self.capacity(pool).model_dump())
         return self._error(400, f"unsupported {method} {path}")
 
     def listing(self) -> PoolList:
@@ -130,30 +147,6 @@ class FakeEngine:
             kv_cells_total=self.n_ctx,
             kv_bytes_per_token=8,
             kv_bytes_used=0,
-        )
-
-    def capacity(self, pool: FakePool) -> CapacityReport:
-        return CapacityReport(
-            pool_id=pool.pool_id,
-            can_admit=True,
-            reason="guaranteed minimum",
-            projected_mean_tps_if_admitted=None,
-            projected_mean_tps_model=None,
-            projected_mean_tps_measured=None,
-            projected_idle_estimate=False,
-            drop_per_admit_ewma=None,
-            headroom_sessions=3,
-            kv_headroom_pct=90.0,
-            settling=False,
-            settle_remaining_ms=0.0,
-            n_warming=0,
-            n_active=0,
-            mean_active_tps=0.0,
-            n_pool_sessions=0,
-            guaranteed=True,
-            known_session=False,
-            compaction_pressure=0.25,
-            policy=pool.admission,
         )
 
     def _create(self, body: dict[str, Any], parent_ref: str | None) -> httpx.Response:

@@ -18,7 +18,7 @@ from polykv_operator.status import (
 from polykv_operator.tree import PoolNode
 
 from .builders import NS, engine_spec, pod, policy, pool
-from .fake_engine import FakeEngine, FakePool
+from .fake_engine import FakeEngine, FakePool, summary
 
 
 def state_with(replicas: dict[str, FakeEngine | None], renders=None) -> EngineState:  # type: ignore[no-untyped-def]
@@ -126,13 +126,44 @@ def test_live_figures_are_summed_and_rounded() -> None:
         )
         for i, tps in enumerate((10.04, 12.0))
     ]
-    st.replicas["a"].capacity["root"] = FakeEngine().capacity(eng.pools["root"])
     out = pool_status(ROOT, ctx([ROOT], {"eng": st}), None)
     assert out.sessions == 2 and out.mean_active_tps == 11.0
     assert out.compaction_pressure == 0.25
     assert (
         out.capacity is not None and out.capacity.can_admit and out.capacity.headroom_sessions == 3
     )
+
+
+def test_capacity_is_the_worst_replica_from_the_listing() -> None:
+    a, b, c = engine_with("root"), engine_with("root"), engine_with("root")
+    a.pools["root"].capacity = summary(headroom_sessions=2, compaction_pressure=0.104)
+    b.pools["root"].capacity = summary(
+        can_admit=False,
+        reason="settling",
+        headroom_sessions=1,
+        settling=True,
+        compaction_pressure=0.3456,
+    )
+    c.pools["root"].capacity = None  # an engine that does not list capacity yet
+    st = state_with({"a": a, "b": b, "c": c}, {"uid-root": RENDER})
+    out = pool_status(ROOT, ctx([ROOT], {"eng": st}), None)
+    wire = out.wire()
+    assert wire["compactionPressure"] == 0.35  # the highest, rounded
+    assert wire["capacity"] == {
+        "canAdmit": False,
+        "reason": "settling",
+        "headroomSessions": 3,
+        "settling": True,
+    }
+
+
+def test_no_capacity_listed_means_none_in_status() -> None:
+    eng = engine_with("root")
+    eng.pools["root"].capacity = None
+    st = state_with({"a": eng}, {"uid-root": RENDER})
+    out = pool_status(ROOT, ctx([ROOT], {"eng": st}), None)
+    assert out.capacity is None and out.compaction_pressure is None
+    assert "capacity" not in out.wire() and "compactionPressure" not in out.wire()
 
 
 def test_engine_status() -> None:
@@ -188,14 +219,28 @@ def test_policy_waiting_for_push() -> None:
 
 
 def test_patch_only_what_changed() -> None:
-    st = state_with({"a": engine_with("root")}, {"uid-root": RENDER})
+    eng = engine_with("root")
+    st = state_with({"a": eng}, {"uid-root": RENDER})
     first = pool_status(ROOT, ctx([ROOT], {"eng": st}), None)
     current = first.wire()
     assert patch_for(None, first) == current
-    again = pool_status(ROOT, ctx([ROOT], {"eng": st}), previous_conditions(current))
-    assert patch_for(current, again) == {}
+
+    def again() -> dict[str, object]:
+        st.replicas["a"].listing = eng.listing()  # the next round's listing
+        new = pool_status(ROOT, ctx([ROOT], {"eng": st}), previous_conditions(current))
+        return patch_for(current, new)
+
+    assert again() == {}
+    eng.pools["root"].capacity = summary(compaction_pressure=0.2512)  # jitter: rounded away
+    assert again() == {}
+    eng.pools["root"].capacity = summary(headroom_sessions=1, compaction_pressure=0.5)
+    assert again() == {
+        "capacity": {"canAdmit": True, "reason": "ok", "headroomSessions": 1, "settling": False},
+        "compactionPressure": 0.5,
+    }
     current["stale"] = 1
-    assert patch_for(current, again) == {"stale": None}
+    eng.pools["root"].capacity = summary()
+    assert again() == {"stale": None}
 
 
 def test_previous_conditions_skips_junk() -> None:

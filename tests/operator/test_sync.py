@@ -45,7 +45,7 @@ class Harness:
             list(policies),
             list(engines),
         )
-        asyncio.run(Round(view, self.state, self.http, self.write_gate, capacity_every=1).run())
+        asyncio.run(Round(view, self.state, self.http, self.write_gate).run())
 
     def engine(self, i: int = 1) -> FakeEngine:
         return self.engines[f"10.0.0.{i}"]
@@ -185,12 +185,19 @@ def test_deleting_pools_are_not_created() -> None:
     assert set(h.engine().pools) == {"root"}
 
 
-def test_capacity_is_read_for_declared_pools() -> None:
-    h = Harness(1)
-    h.run([pool("root", text=ROOT)])
-    h.run([pool("root", text=ROOT)])
-    obs = h.state.replicas["eng-1"]
-    assert obs.capacity["root"].compaction_pressure == pytest.approx(0.25)
+def test_a_steady_round_is_one_listing_per_replica_and_it_carries_capacity() -> None:
+    h = Harness(2)
+    h.run(tree())
+    for i in (1, 2):
+        h.engine(i).calls.clear()
+    h.run(tree())
+    for i in (1, 2):
+        assert h.engine(i).calls == ["GET /polykv/pools"]  # no per-pool capacity reads
+        obs = h.state.replicas[f"eng-{i}"]
+        for name in ("root", "extend", "branch"):
+            p = obs.pool(name)
+            assert p is not None and p.capacity is not None
+            assert p.capacity.compaction_pressure == pytest.approx(0.25)
 
 
 @pytest.mark.parametrize(
