@@ -83,13 +83,14 @@ class Load:
         assert not self.errors, self.errors
 
 
-def wait_for(pred: Callable[[], bool], timeout: float = 20.0) -> None:
+def wait_for(pred: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
+    # Generous: the machine is small and shared; this waits for state, it times nothing.
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
             return
         time.sleep(0.02)
-    raise AssertionError("condition not reached")
+    raise AssertionError(f"condition not reached in {timeout:.0f}s: {what or pred!r}")
 
 
 def saturated_pool(ac: httpx.Client, name: str, **pol: Any) -> list[int]:
@@ -102,12 +103,20 @@ def saturated_pool(ac: httpx.Client, name: str, **pol: Any) -> list[int]:
     return prompt
 
 
-def settled_and_active(ac: httpx.Client, pool: str) -> Callable[[], bool]:
-    def check() -> bool:
-        cap = capacity(ac, pool)
-        return not cap["settling"] and cap["n_active"] >= 1
+class settled_and_active:  # noqa: N801 - reads as a condition at the call site
+    """True once the pool's last admit settled and a session decodes; keeps the last reading
+    so a timeout says where it stood."""
 
-    return check
+    def __init__(self, ac: httpx.Client, pool: str) -> None:
+        self.ac, self.pool = ac, pool
+        self.last: dict[str, Any] = {}
+
+    def __call__(self) -> bool:
+        self.last = capacity(self.ac, self.pool)
+        return not self.last["settling"] and self.last["n_active"] >= 1
+
+    def __repr__(self) -> str:
+        return f"pool {self.pool} settled with an active session (last: {self.last})"
 
 
 def test_advisory_reports_but_never_rejects(ac: httpx.Client) -> None:
