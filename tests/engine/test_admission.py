@@ -103,7 +103,7 @@ def saturated_pool(ac: httpx.Client, name: str, **pol: Any) -> list[int]:
     return prompt
 
 
-class settled_and_active:  # noqa: N801 - reads as a condition at the call site
+class settled_and_active:  # lower case: reads as a condition at the call site
     """True once the pool's last admit settled and a session decodes; keeps the last reading
     so a timeout says where it stood."""
 
