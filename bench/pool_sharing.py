@@ -1,0 +1,1098 @@
+"""Issue 3 benchmark: k sessions on one shared prefix, with pools and without.
+
+Workload per level k (1, 4, 8): a prefix of P tokens (default 2,000, BOS first) that every
+session shares, plus one private suffix per session (50-100 tokens, its length drawn per
+session). Each session streams ONE greedy token, so its first token is its whole answer and
+its KV afterwards holds exactly its prompt. The k sessions are released at one instant.
+The same suffixes go to every engine and mode of one (repeat, level), but the warm-cache
+turn, which needs new ones (of the same lengths):
+
+* ``alone``: each session prefills only its suffix, no prefix, on an empty KV cache: the
+  reference for the attach-time target;
+* ``pool``: a pool of the prefix is created (timed apart), the sessions attach with
+  ``pool_id`` and prefill only their suffixes;
+* ``full``: no sharing, ``cache_prompt: false``: every session prefills P + S itself (this is
+  also exactly what a cold per-slot prompt cache does: its slots are empty);
+* ``cache``: the per-slot prompt cache warm: right after ``full`` (whose slots kept their KV)
+  k new suffixes arrive with ``cache_prompt: true``; each lands on a slot whose cache holds
+  the prefix (llama-server's prompt-cache reuse) and prefills its suffix, while every slot
+  keeps its own copy of the prefix.
+
+Engines (same model, same threads, flash attention off as the engine's CPU default):
+
+* ``polykv``: the engine as pools need it (unified KV cache), with ``--polykv-kv-debug`` so
+  KV use is read both from the engine's accounting and from llama.cpp's own cell count;
+  every mode, plus a fork fan-out (a trunk pool of P tokens, 4 forks that extend it with
+  different tails, 2 sessions attached to each fork);
+* ``split``: pools off and a split KV cache (``--no-kv-unified``): each slot its own cell
+  stream, llama-server's layout, for ``full`` and ``cache``;
+* ``polykv-fa-on``: ``-fa on``, for ``alone`` and ``pool`` (the attach-time target under the
+  other attention kernel).
+
+Measured: time to first token from the client (send -> first streamed token), the engine's
+own prompt time, tokens served from KV (``cache_n``), and KV use after the sessions finished
+from ``GET /polykv/pools`` (``kv_bytes_used``, per-pool ``own_kv_bytes``, per-session
+``marginal_kv_bytes``, and llama.cpp's ``kv_cells_measured``).
+
+Targets (issue 3): pooled KV bytes <= 1.02 x (P + sum S_i) x bytes/token; attach time to
+first token <= 1.2 x the time to prefill the suffix alone (same engine, same k).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import functools
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from . import harness as H
+
+NAME = "pool_sharing"
+LEVELS = (1, 4, 8)
+N_PARALLEL = 8
+MAX_POOLS = 16
+CTX = 20480  # 8 unshared sessions of ~2.1k tokens must fit (the slot cap is the model's 16k)
+PREFIX_TOKENS = 2000
+SUFFIX_MIN, SUFFIX_MAX = 50, 100
+N_FORKS = 4
+SESSIONS_PER_FORK = 2
+TAIL_TOKENS = 200
+TARGET_KV_RATIO = 1.02
+TARGET_TTFT_RATIO = 1.2
+
+MODES = ("alone", "pool", "full", "cache")
+MODE_LABELS = {
+    "alone": "suffix alone",
+    "pool": "pool attach",
+    "full": "no sharing",
+    "cache": "per-slot cache, warm",
+}
+
+_WORDS = (  # noqa: SIM905
+    "the river city morning light garden window story old friend quiet market winter "
+    "train letter music road table house evening summer child teacher paper bridge "
+    "forest mountain small bright cold long early simple warm green blue open walked "
+    "found carried asked watched opened remembered"
+).split()
+
+
+def word_text(seed: str, n_words: int) -> str:
+    """Deterministic filler text."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(n_words))
+
+
+# ---------------------------------------------------------------------------- engine API
+
+
+@dataclass
+class Api:
+    """The engine's HTTP routes this benchmark (and spawn_ramp) uses."""
+
+    client: httpx.Client
+    base_url: str
+    pid: int
+
+    def url(self, path: str) -> str:
+        return f"{self.base_url}{path}"
+
+    def _json(self, method: str, path: str, **kw: Any) -> Any:
+        resp = self.client.request(method, self.url(path), **kw)
+        if resp.status_code >= 300:
+            raise H.BenchError(f"{method} {path} -> {resp.status_code}: {resp.text[:400]}")
+        return resp.json()
+
+    def get(self, path: str) -> Any:
+        return self._json("GET", path)
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        return self._json("POST", path, json=body or {})
+
+    def tokenize(self, text: str, add_special: bool) -> list[int]:
+        out = self.post("/tokenize", {"content": text, "add_special": add_special})
+        return [int(t) for t in out["tokens"]]
+
+    def props(self) -> dict[str, Any]:
+        return dict(self.get("/props")["polykv"])
+
+    def pools(self) -> dict[str, Any]:
+        return dict(self.get("/polykv/pools"))
+
+    def create_pool(self, name: str, tokens: Sequence[int]) -> tuple[dict[str, Any], float]:
+        t0 = time.perf_counter()
+        out = self.post("/polykv/pools", {"name": name, "tokens": list(tokens)})
+        return dict(out), time.perf_counter() - t0
+
+    def fork_pool(
+        self, parent: str, name: str, tokens: Sequence[int], branch_pos: int
+    ) -> tuple[dict[str, Any], float]:
+        t0 = time.perf_counter()
+        body = {"name": name, "tokens": list(tokens), "branch_pos": branch_pos}
+        out = self.post(f"/polykv/pools/{parent}/fork", body)
+        return dict(out), time.perf_counter() - t0
+
+    def reset(self, n_slots: int, keep: Sequence[str] = ()) -> None:
+        """Every slot's cache erased, every pool but ``keep`` released (children first)."""
+        for slot in range(n_slots):
+            self.post(f"/slots/{slot}?action=erase")
+        listing = self.pools()
+        for p in sorted(listing["pools"], key=lambda p: -int(p["depth"])):
+            if p["name"] not in keep:
+                self._json("DELETE", f"/polykv/pools/{p['pool_id']}")
+        after = self.pools()
+        kept = sum(int(p["own_kv_bytes"]) for p in after["pools"])
+        if after["kv_bytes_used"] != kept or len(after["pools"]) != len(keep):
+            raise H.BenchError(f"KV not reset: {after['kv_cells_used']} cells in use")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionResult:
+    ttft_ms: float
+    server_prompt_ms: float
+    prompt_n: int
+    cache_n: int
+
+
+def run_one(api: Api, body: dict[str, Any]) -> SessionResult:
+    """Stream one completion; its first token event is its time to first token."""
+    t_send = time.perf_counter()
+    t_first = 0.0
+    final: dict[str, Any] = {}
+    for t, payload in H.sse_events(api.client, api.url("/completion"), body):
+        if payload.get("stop"):
+            final = payload
+        elif payload.get("tokens") and not t_first:
+            t_first = t
+    timings = final.get("timings") or {}
+    if not t_first or not timings:
+        raise H.BenchError(f"no token or no final event for a session: {final}")
+    return SessionResult(
+        ttft_ms=1e3 * (t_first - t_send),
+        server_prompt_ms=float(timings["prompt_ms"]),
+        prompt_n=int(timings["prompt_n"]),
+        cache_n=int(timings["cache_n"]),
+    )
+
+
+def completion_body(prompt: Sequence[int], **extra: Any) -> dict[str, Any]:
+    return {
+        "prompt": list(prompt),
+        "n_predict": 1,  # the first token is the whole answer: KV then holds the prompt only
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        **extra,
+    }
+
+
+def run_sessions(api: Api, bodies: Sequence[dict[str, Any]]) -> tuple[list[SessionResult], float]:
+    """Release every body at one instant; returns results and the other processes' cores."""
+    with H.CpuWatch([api.pid]) as cpu:
+        results = H.run_together([functools.partial(run_one, api, b) for b in bodies], lambda: None)
+    return results, cpu.foreign_cores
+
+
+def kv_state(api: Api) -> dict[str, Any]:
+    listing = api.pools()
+    sessions = [s for p in listing["pools"] for s in p["sessions"]]
+    sessions += listing["unpooled_sessions"]
+    return {
+        "bytes_per_token": listing["kv_bytes_per_token"],
+        "cells_used": listing["kv_cells_used"],
+        "cells_measured": listing["kv_cells_measured"],
+        "bytes_used": listing["kv_bytes_used"],
+        "pools": [
+            {
+                "name": p["name"],
+                "prefix_len": p["prefix_len"],
+                "branch_pos": p["branch_pos"],
+                "own_kv_bytes": p["own_kv_bytes"],
+                "subtree_kv_bytes": p["subtree_kv_bytes"],
+            }
+            for p in listing["pools"]
+        ],
+        "session_marginal_bytes": sorted(s["marginal_kv_bytes"] for s in sessions),
+    }
+
+
+# ---------------------------------------------------------------------------- workload
+
+
+@dataclass
+class Workload:
+    """Token lists, made once through the first engine's tokenizer (same model everywhere)."""
+
+    prefix: list[int]
+    stream: list[int]  # filler tokens cut into suffixes and tails
+    _next: int = 0
+    _suffixes: dict[tuple[int, int, str], list[list[int]]] = field(default_factory=dict)
+
+    def take(self, n: int) -> list[int]:
+        """The next ``n`` unused filler tokens."""
+        if self._next + n > len(self.stream):
+            raise H.BenchError("the filler token stream is exhausted: raise its size")
+        out = self.stream[self._next : self._next + n]
+        self._next += n
+        return out
+
+    def suffixes(self, rep: int, k: int, tag: str) -> list[list[int]]:
+        """k private suffixes of 50-100 tokens, the same for every engine asking for
+        (rep, k, tag); their lengths depend on (rep, k, i) only, not on ``tag``."""
+        key = (rep, k, tag)
+        if key not in self._suffixes:
+            lengths = [
+                random.Random(f"{rep}/{k}/{i}").randint(SUFFIX_MIN, SUFFIX_MAX) for i in range(k)
+            ]
+            self._suffixes[key] = [self.take(n) for n in lengths]
+        return self._suffixes[key]
+
+
+def make_workload(api: Api, prefix_tokens: int, stream_tokens: int) -> Workload:
+    head = "Shared instructions for every agent in this team. "
+    prefix = api.tokenize(head + word_text("prefix", prefix_tokens), add_special=True)
+    if len(prefix) < prefix_tokens:
+        raise H.BenchError(f"prefix text gave only {len(prefix)} tokens")
+    stream: list[int] = []
+    chunk = 0
+    while len(stream) < stream_tokens:
+        stream += api.tokenize(" " + word_text(f"filler-{chunk}", 4000), add_special=False)
+        chunk += 1
+    return Workload(prefix[:prefix_tokens], stream[:stream_tokens])
+
+
+# ---------------------------------------------------------------------------- one level
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    key: str
+    label: str
+    modes: tuple[str, ...]
+    fork_fanout: bool
+    args: tuple[str, ...]
+
+
+def _record(
+    key: str,
+    rep: int,
+    k: int,
+    mode: str,
+    results: Sequence[SessionResult],
+    suffixes: Sequence[Sequence[int]],
+    prefix_len: int,
+    foreign: float,
+    kv: dict[str, Any],
+    expected_cells: int,
+    **extra: Any,
+) -> dict[str, Any]:
+    return {
+        "engine": key,
+        "rep": rep,
+        "k": k,
+        "mode": mode,
+        "prefix_tokens": prefix_len,
+        "suffix_tokens": [len(s) for s in suffixes],
+        "ttft_ms": [r.ttft_ms for r in results],
+        "server_prompt_ms": [r.server_prompt_ms for r in results],
+        "prompt_n": [r.prompt_n for r in results],
+        "cache_n": [r.cache_n for r in results],
+        "foreign_cpu_cores": foreign,
+        "kv": kv,
+        "expected_cells": expected_cells,
+        **extra,
+    }
+
+
+def _check_served(
+    mode: str, results: Sequence[SessionResult], suffixes: Sequence[Sequence[int]], p: int
+) -> None:
+    """Every session must have prefilled what the mode says (else the numbers lie)."""
+    for r, s in zip(results, suffixes, strict=True):
+        if mode in ("pool", "cache"):
+            ok = r.cache_n >= p and r.prompt_n <= len(s)
+        else:
+            ok = r.cache_n == 0
+        if not ok:
+            raise H.BenchError(
+                f"{mode}: a session prefilled {r.prompt_n} and reused {r.cache_n} tokens "
+                f"(prefix {p}, suffix {len(s)})"
+            )
+
+
+def run_level(api: Api, spec: EngineSpec, wl: Workload, rep: int, k: int) -> list[dict[str, Any]]:
+    prefix = wl.prefix
+    p = len(prefix)
+    sfx = wl.suffixes(rep, k, "a")
+    out: list[dict[str, Any]] = []
+
+    def log(mode: str, results: Sequence[SessionResult], extra: str = "") -> None:
+        ttft = statistics.median(r.ttft_ms for r in results)
+        H.progress(
+            f"  {spec.key:<13} k={k} {mode:<6} first token median {ttft:8.0f} ms, "
+            f"slowest {max(r.ttft_ms for r in results):8.0f} ms{extra}"
+        )
+
+    if "alone" in spec.modes:
+        api.reset(N_PARALLEL)
+        results, foreign = run_sessions(api, [completion_body(s, cache_prompt=False) for s in sfx])
+        _check_served("alone", results, sfx, 0)
+        expected = sum(len(s) for s in sfx)
+        out.append(
+            _record(spec.key, rep, k, "alone", results, sfx, 0, foreign, kv_state(api), expected)
+        )
+        log("alone", results)
+
+    if "pool" in spec.modes:
+        api.reset(N_PARALLEL)
+        name = f"shared-{rep}-{k}"
+        created, create_s = api.create_pool(name, prefix)
+        if created["prefix_len"] != p:
+            raise H.BenchError(f"pool prefix_len {created['prefix_len']} != {p}")
+        bodies = [completion_body(prefix + s, pool_id=name, cache_prompt=False) for s in sfx]
+        results, foreign = run_sessions(api, bodies)
+        _check_served("pool", results, sfx, p)
+        expected = p + sum(len(s) for s in sfx)
+        out.append(
+            _record(
+                spec.key,
+                rep,
+                k,
+                "pool",
+                results,
+                sfx,
+                p,
+                foreign,
+                kv_state(api),
+                expected,
+                create_s=create_s,
+            )
+        )
+        log("pool", results, f"; pool created in {create_s:.2f} s")
+
+    if "full" in spec.modes:
+        api.reset(N_PARALLEL)
+        bodies = [completion_body(prefix + s, cache_prompt=False) for s in sfx]
+        results, foreign = run_sessions(api, bodies)
+        _check_served("full", results, sfx, p)
+        expected = sum(p + len(s) for s in sfx)
+        out.append(
+            _record(spec.key, rep, k, "full", results, sfx, p, foreign, kv_state(api), expected)
+        )
+        log("full", results)
+        if "cache" in spec.modes:
+            # The slots now hold prefix + old suffix: the next turn's prompt cache.
+            sfx2 = wl.suffixes(rep, k, "b")
+            bodies = [completion_body(prefix + s, cache_prompt=True) for s in sfx2]
+            results, foreign = run_sessions(api, bodies)
+            _check_served("cache", results, sfx2, p)
+            expected = sum(p + len(s) for s in sfx2)
+            out.append(
+                _record(
+                    spec.key, rep, k, "cache", results, sfx2, p, foreign, kv_state(api), expected
+                )
+            )
+            log("cache", results)
+    return out
+
+
+def run_fanout(api: Api, wl: Workload, rep: int) -> dict[str, Any]:
+    """A trunk pool, N_FORKS forks extending it with different tails, sessions on each."""
+    api.reset(N_PARALLEL)
+    trunk = wl.prefix
+    t = len(trunk)
+    trunk_name = f"trunk-{rep}"
+    _, trunk_s = api.create_pool(trunk_name, trunk)
+    tails = [wl.take(TAIL_TOKENS) for _ in range(N_FORKS)]
+    forks = H.run_together(
+        [
+            functools.partial(api.fork_pool, trunk_name, f"branch-{rep}-{j}", trunk + tail, t)
+            for j, tail in enumerate(tails)
+        ],
+        lambda: None,
+    )
+    fork_s = [s for _, s in forks]
+    for created, _ in forks:
+        if created["branch_pos"] != t or created["prefix_len"] != t + TAIL_TOKENS:
+            raise H.BenchError(f"fork is not an extension of the trunk: {created}")
+    sfx = wl.suffixes(rep, N_FORKS * SESSIONS_PER_FORK, "fork")
+    bodies = []
+    for i, s in enumerate(sfx):
+        j = i % N_FORKS
+        bodies.append(
+            completion_body(trunk + tails[j] + s, pool_id=f"branch-{rep}-{j}", cache_prompt=False)
+        )
+    results, foreign = run_sessions(api, bodies)
+    for r, s in zip(results, sfx, strict=True):
+        if r.cache_n < t + TAIL_TOKENS or r.prompt_n > len(s):
+            raise H.BenchError(f"fork attach prefilled {r.prompt_n} tokens (suffix {len(s)})")
+    kv = kv_state(api)
+    private = [len(s) for s in sfx]
+    expected = t + N_FORKS * TAIL_TOKENS + sum(private)
+    H.progress(
+        f"  fan-out: trunk {trunk_s:.2f} s, forks {max(fork_s):.2f} s, first token median "
+        f"{statistics.median(r.ttft_ms for r in results):.0f} ms, KV {kv['cells_used']} cells "
+        f"(ideal {expected})"
+    )
+    return {
+        "rep": rep,
+        "trunk_tokens": t,
+        "tail_tokens": TAIL_TOKENS,
+        "n_forks": N_FORKS,
+        "sessions_per_fork": SESSIONS_PER_FORK,
+        "trunk_create_s": trunk_s,
+        "fork_create_s": fork_s,
+        "suffix_tokens": private,
+        "ttft_ms": [r.ttft_ms for r in results],
+        "cache_n": [r.cache_n for r in results],
+        "prompt_n": [r.prompt_n for r in results],
+        "foreign_cpu_cores": foreign,
+        "kv": kv,
+        "expected_cells": expected,
+        # What the same sessions would hold without any sharing, and with one root pool
+        # per branch instead of forks (computed from the token counts, not measured).
+        "unshared_cells": sum(t + TAIL_TOKENS + n for n in private),
+        "root_pools_cells": N_FORKS * (t + TAIL_TOKENS) + sum(private),
+    }
+
+
+# ---------------------------------------------------------------------------- the benchmark
+
+
+@dataclass
+class Config:
+    reps: int = 3
+    prefix_tokens: int = PREFIX_TOKENS
+    levels: tuple[int, ...] = LEVELS
+    split_baseline: bool = True
+    fa_variant: bool = True
+    fork_fanout: bool = True
+    threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+    def _common(self, fa: str) -> list[str]:
+        return [
+            "-np",
+            str(N_PARALLEL),
+            "-c",
+            str(CTX),
+            "-t",
+            str(self.threads),
+            "-fa",
+            fa,
+            "--metrics",
+        ]
+
+    def engines(self) -> list[EngineSpec]:
+        pools = ("--polykv-max-pools", str(MAX_POOLS), "--polykv-kv-debug")
+        out = [
+            EngineSpec(
+                "polykv",
+                "PolyKV, unified KV",
+                MODES,
+                self.fork_fanout,
+                (*self._common("off"), *pools),
+            ),
+        ]
+        if self.split_baseline:
+            out.append(
+                EngineSpec(
+                    "split",
+                    "split KV, no pools",
+                    ("full", "cache"),
+                    False,
+                    (*self._common("off"), "--no-kv-unified", "--polykv-max-pools", "0"),
+                )
+            )
+        if self.fa_variant:
+            out.append(
+                EngineSpec(
+                    "polykv-fa-on",
+                    "PolyKV, -fa on",
+                    ("alone", "pool"),
+                    False,
+                    (*self._common("on"), *pools),
+                )
+            )
+        return out
+
+
+def _quiet_llama(level: int, text: bytes, user: ctypes.c_void_p) -> None:
+    return None
+
+
+_callbacks: list[Any] = []
+
+
+def model_shape(model: Path) -> dict[str, int]:
+    """Layer count and width from the GGUF (for the attention-cost arithmetic)."""
+    import llama_cpp.llama_cpp as C
+
+    if not _callbacks:  # libllama keeps a raw pointer: the callback must outlive the call
+        _callbacks.append(C.llama_log_callback(_quiet_llama))
+        C.llama_log_set(_callbacks[0], ctypes.c_void_p(0))
+    params = C.llama_model_default_params()  # mmap: the weights are not read, only mapped
+    handle = C.llama_model_load_from_file(str(model).encode(), params)
+    if not handle:
+        raise H.BenchError(f"cannot read {model}")
+    try:
+        return {
+            "n_layer": int(C.llama_model_n_layer(handle)),
+            "n_embd": int(C.llama_model_n_embd(handle)),
+            "n_params": int(C.llama_model_n_params(handle)),
+        }
+    finally:
+        C.llama_model_free(handle)
+
+
+def measure(cfg: Config) -> dict[str, Any]:
+    model = H.bench_model()
+    env = H.environment()
+    model_info: dict[str, Any] = {
+        "path": str(model.relative_to(H.REPO_ROOT) if model.is_relative_to(H.REPO_ROOT) else model),
+        "bytes": model.stat().st_size,
+        "sha256_16": H.file_digest(model),
+        **model_shape(model),
+    }
+    env["cpu_busy_cores_before"] = round(H.wait_for_quiet(max_busy_cores=0.5, max_wait_s=20), 2)
+    runs: list[dict[str, Any]] = []
+    fanout: list[dict[str, Any]] = []
+    props: dict[str, Any] = {}
+    wl: Workload | None = None
+    n_suffixes = 2 * sum(cfg.levels) + N_FORKS * SESSIONS_PER_FORK
+    stream_tokens = cfg.reps * (n_suffixes * SUFFIX_MAX + N_FORKS * TAIL_TOKENS) + 1000
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(H.http_client(1800.0))
+        apis: list[tuple[EngineSpec, Api]] = []
+        for spec in cfg.engines():
+            eng = stack.enter_context(H.engine(f"{NAME}-{spec.key}", model, spec.args))
+            assert eng.proc is not None
+            api = Api(client, eng.base_url, eng.proc.pid)
+            apis.append((spec, api))
+            props[spec.key] = api.props()
+            if wl is None:
+                wl = make_workload(api, cfg.prefix_tokens, stream_tokens)
+            # Page the weights in and touch the cache outside any measurement.
+            run_one(api, completion_body(wl.prefix[:64], cache_prompt=False))
+        assert wl is not None
+        workload = wl
+
+        def one_rep(rep: int) -> None:
+            if rep:
+                H.wait_for_quiet(max_busy_cores=0.5, max_wait_s=10)
+            order = apis if rep % 2 == 0 else apis[::-1]
+            for spec, api in order:
+                for k in cfg.levels:
+                    runs.extend(run_level(api, spec, workload, rep, k))
+                if spec.fork_fanout:
+                    fanout.append(run_fanout(api, workload, rep))
+                api.reset(N_PARALLEL)
+
+        H.repeat(one_rep, cfg.reps, "pool sharing")
+    return {"env": env, "model": model_info, "props": props, "runs": runs, "fanout": fanout}
+
+
+# ---------------------------------------------------------------------------- analysis
+
+
+def _summ(values: Sequence[float]) -> H.Summary:
+    return H.summarize(values)
+
+
+def _kv_bytes(run: dict[str, Any]) -> int:
+    """KV bytes in use: llama.cpp's own cell count where the engine measured it."""
+    kv = run["kv"]
+    cells = kv["cells_measured"] if kv["cells_measured"] is not None else kv["cells_used"]
+    return int(cells) * int(kv["bytes_per_token"])
+
+
+def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
+    runs: list[dict[str, Any]] = raw["runs"]
+    out: dict[str, Any] = {"cells": {}, "targets": {}}
+
+    def at(key: str, mode: str, k: int) -> list[dict[str, Any]]:
+        return sorted(
+            (r for r in runs if r["engine"] == key and r["mode"] == mode and r["k"] == k),
+            key=lambda r: r["rep"],
+        )
+
+    for key in sorted({r["engine"] for r in runs}):
+        for mode in MODES:
+            for k in cfg.levels:
+                rs = at(key, mode, k)
+                if not rs:
+                    continue
+                cell: dict[str, Any] = {
+                    "ttft_ms_median": _summ(
+                        [statistics.median(r["ttft_ms"]) for r in rs]
+                    ).as_dict(),
+                    "ttft_ms_max": _summ([max(r["ttft_ms"]) for r in rs]).as_dict(),
+                    "kv_bytes": _summ([_kv_bytes(r) for r in rs]).as_dict(),
+                    "kv_over_ideal": _summ(
+                        [
+                            _kv_bytes(r) / (r["expected_cells"] * r["kv"]["bytes_per_token"])
+                            for r in rs
+                        ]
+                    ).as_dict(),
+                    "engine_cells_equal_llama_cpp": all(
+                        r["kv"]["cells_measured"] in (None, r["kv"]["cells_used"]) for r in rs
+                    ),
+                    "foreign_cpu_cores": _summ([r["foreign_cpu_cores"] for r in rs]).as_dict(),
+                }
+                if mode == "pool":
+                    cell["create_s"] = _summ([r["create_s"] for r in rs]).as_dict()
+                out["cells"][f"{key}/{mode}/{k}"] = cell
+
+    # Target 1: pooled KV bytes against (P + sum S_i) x bytes/token, every run.
+    kv_rows = []
+    for k in cfg.levels:
+        rs = at("polykv", "pool", k)
+        if not rs:
+            continue
+        worst = max(
+            _kv_bytes(r)
+            / ((r["prefix_tokens"] + sum(r["suffix_tokens"])) * r["kv"]["bytes_per_token"])
+            for r in rs
+        )
+        kv_rows.append({"k": k, "worst_ratio": worst, "met": worst <= TARGET_KV_RATIO})
+    fan = raw.get("fanout") or []
+    if fan:
+        worst = max(
+            _fan_kv_bytes(f) / (f["expected_cells"] * f["kv"]["bytes_per_token"]) for f in fan
+        )
+        kv_rows.append({"k": "fan-out", "worst_ratio": worst, "met": worst <= TARGET_KV_RATIO})
+    out["targets"]["kv"] = {"limit": TARGET_KV_RATIO, "rows": kv_rows}
+
+    # Target 2: attach first-token time against the suffix alone, same engine and k.
+    ttft_rows = []
+    for key in ("polykv", "polykv-fa-on"):
+        for k in cfg.levels:
+            a, b = at(key, "pool", k), at(key, "alone", k)
+            pairs = [
+                (statistics.median(x["ttft_ms"]), statistics.median(y["ttft_ms"]))
+                for x in a
+                for y in b
+                if x["rep"] == y["rep"]
+            ]
+            if not pairs:
+                continue
+            ratio = statistics.median(x for x, _ in pairs) / statistics.median(y for _, y in pairs)
+            row: dict[str, Any] = {
+                "engine": key,
+                "k": k,
+                "ratio_of_medians": ratio,
+                "paired": _summ([x / y for x, y in pairs]).as_dict(),
+                "met": ratio <= TARGET_TTFT_RATIO,
+            }
+            # A warm per-slot cache hit prefills the same suffix after the same cached
+            # prefix: the same attention work, without a pool.
+            for field_, ref in (
+                ("pool_over_warm_cache", key),
+                ("pool_over_split_warm_cache", "split"),
+            ):
+                warm = [
+                    (statistics.median(x["ttft_ms"]), statistics.median(y["ttft_ms"]))
+                    for x in a
+                    for y in at(ref, "cache", k)
+                    if x["rep"] == y["rep"]
+                ]
+                if warm and (ref == key or key == "polykv"):
+                    row[field_] = _summ([x / y for x, y in warm]).as_dict()
+            ttft_rows.append(row)
+    out["targets"]["ttft"] = {"limit": TARGET_TTFT_RATIO, "rows": ttft_rows}
+
+    # The arithmetic floor of that ratio: attention of S suffix tokens over P prefix keys
+    # against the weights every token goes through, at perfect kernel efficiency.
+    m = raw["model"]
+    p = cfg.prefix_tokens
+    attn = 4 * m["n_layer"] * m["n_embd"] * p  # QK^T and PV, multiply-adds x 2
+    weights = 2 * m["n_params"]
+    out["attention_floor"] = {
+        "attention_flops_per_suffix_token": attn,
+        "weight_flops_per_token": weights,
+        "min_ratio": 1 + attn / weights,
+    }
+
+    if fan:
+        out["fanout"] = {
+            "trunk_create_s": _summ([f["trunk_create_s"] for f in fan]).as_dict(),
+            "fork_create_s_max": _summ([max(f["fork_create_s"]) for f in fan]).as_dict(),
+            "ttft_ms_median": _summ([statistics.median(f["ttft_ms"]) for f in fan]).as_dict(),
+            "ttft_ms_max": _summ([max(f["ttft_ms"]) for f in fan]).as_dict(),
+            "kv_bytes": _summ([_fan_kv_bytes(f) for f in fan]).as_dict(),
+            "kv_over_ideal": _summ(
+                [_fan_kv_bytes(f) / (f["expected_cells"] * f["kv"]["bytes_per_token"]) for f in fan]
+            ).as_dict(),
+            "unshared_over_pooled": _summ(
+                [f["unshared_cells"] * f["kv"]["bytes_per_token"] / _fan_kv_bytes(f) for f in fan]
+            ).as_dict(),
+            "root_pools_over_pooled": _summ(
+                [f["root_pools_cells"] * f["kv"]["bytes_per_token"] / _fan_kv_bytes(f) for f in fan]
+            ).as_dict(),
+        }
+    return out
+
+
+def _fan_kv_bytes(f: dict[str, Any]) -> int:
+    return _kv_bytes(f)
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def _fmt(d: dict[str, Any] | None, digits: int = 0, scale: float = 1.0, unit: str = "") -> str:
+    if not d:
+        return "–"
+    return H.Summary(tuple(d["values"])).fmt(digits, scale, unit)
+
+
+def _med(d: dict[str, Any] | None, digits: int = 2, scale: float = 1.0, unit: str = "") -> str:
+    return "–" if not d else f"{d['median'] * scale:.{digits}f}{unit}"
+
+
+def _secs(d: dict[str, Any] | None) -> str:
+    """Milliseconds shown as seconds: median (min–max)."""
+    return _fmt(d, 2, 1e-3, " s")
+
+
+def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
+    cells = res["cells"]
+    env = raw["env"]
+    bpt = raw["props"]["polykv"]["kv_bytes_per_token"]
+    p = cfg.prefix_tokens
+
+    def c(key: str, mode: str, k: int) -> dict[str, Any]:
+        return dict(cells.get(f"{key}/{mode}/{k}", {}))
+
+    lines = [
+        "### Pool sharing: k sessions on one shared prefix",
+        "",
+        f"Bench model `{Path(raw['model']['path']).name}`, a {p}-token shared prefix, private "
+        f"suffixes of {SUFFIX_MIN}–{SUFFIX_MAX} tokens (the same in every mode; new ones of "
+        "the same lengths for the warm-cache turn), one "
+        f"greedy token per session, the k sessions released at once; `-np {N_PARALLEL} -c "
+        f"{CTX} -t {cfg.threads} -fa off`. Time to first token measured by the client, "
+        f"median over the k sessions (slowest in brackets), then median (min–max) of "
+        f"{cfg.reps} repeats. *Per-slot cache, warm*: the turn after a no-sharing turn, "
+        "`cache_prompt: true`, each slot reusing the prefix it already holds (a cold per-slot "
+        "cache is the no-sharing column: its slots are empty). *Split KV*: `--no-kv-unified "
+        "--polykv-max-pools 0`, each slot its own cell stream, llama-server's layout.",
+        "",
+    ]
+    split = any(k.startswith("split/") for k in cells)
+    headers = [
+        "sessions",
+        "suffix alone",
+        "pool attach",
+        "pool create (once)",
+        "no sharing",
+        "per-slot cache, warm",
+    ]
+    if split:
+        headers += ["no sharing, split KV", "per-slot cache warm, split KV"]
+    rows = []
+    for k in cfg.levels:
+        row = [str(k)]
+        for key, mode in (("polykv", "alone"), ("polykv", "pool")):
+            row.append(
+                f"{_secs(c(key, mode, k).get('ttft_ms_median'))} "
+                f"[{_med(c(key, mode, k).get('ttft_ms_max'), 2, 1e-3, ' s')}]"
+            )
+        row.append(_fmt(c("polykv", "pool", k).get("create_s"), 2, unit=" s"))
+        keys = [("polykv", "full"), ("polykv", "cache")]
+        if split:
+            keys += [("split", "full"), ("split", "cache")]
+        for key, mode in keys:
+            cc = c(key, mode, k)
+            row.append(
+                f"{_secs(cc.get('ttft_ms_median'))} [{_med(cc.get('ttft_ms_max'), 2, 1e-3, ' s')}]"
+            )
+        rows.append(row)
+    lines += ["Time to first token:", "", H.markdown_table(headers, rows), ""]
+
+    headers = [
+        "sessions",
+        "ideal (P + ΣSᵢ) × bytes/token",
+        "pool attach",
+        "÷ ideal",
+        "no sharing",
+        "per-slot cache, warm",
+        "no sharing ÷ pool",
+    ]
+    if split:
+        headers += ["no sharing, split KV"]
+    rows = []
+    for k in cfg.levels:
+        pool = c("polykv", "pool", k)
+        full = c("polykv", "full", k)
+        ideal = (
+            statistics.median(
+                (r["prefix_tokens"] + sum(r["suffix_tokens"])) * bpt
+                for r in raw["runs"]
+                if r["engine"] == "polykv" and r["mode"] == "pool" and r["k"] == k
+            )
+            if pool
+            else None
+        )
+        ratio = (full["kv_bytes"]["median"] / pool["kv_bytes"]["median"]) if pool and full else None
+        row = [
+            str(k),
+            f"{ideal / 1e6:.1f} MB" if ideal else "–",
+            _med(pool.get("kv_bytes"), 1, 1e-6, " MB"),
+            _med(pool.get("kv_over_ideal"), 4),
+            _med(full.get("kv_bytes"), 1, 1e-6, " MB"),
+            _med(c("polykv", "cache", k).get("kv_bytes"), 1, 1e-6, " MB"),
+            f"{ratio:.2f}×" if ratio else "–",
+        ]
+        if split:
+            row.append(_med(c("split", "full", k).get("kv_bytes"), 1, 1e-6, " MB"))
+        rows.append(row)
+    agree = all(v.get("engine_cells_equal_llama_cpp", True) for v in cells.values())
+    lines += [
+        f"KV in use after the sessions ({bpt:,} bytes/token, f16 K and V); on the unified engine "
+        f"these are llama.cpp's own used-cell counts (`--polykv-kv-debug`), which "
+        f"{'equal' if agree else 'DO NOT always equal'} the engine's `kv_bytes_used`:",
+        "",
+        H.markdown_table(headers, rows),
+        "",
+    ]
+
+    top = max(cfg.levels)
+    uni, spl = c("polykv", "full", top), c("split", "full", top)
+    if uni and spl:
+        lines += [
+            f"No sharing costs more time on the unified cache than on the split one ({top} "
+            f"sessions: {_med(uni['ttft_ms_median'], 1, 1e-3, ' s')} against "
+            f"{_med(spl['ttft_ms_median'], 1, 1e-3, ' s')} to the median first token) for the "
+            "same KV bytes: in one unified cache every query scans all cells in use, masked, "
+            "the other sessions' copies of the prefix included, while a split cache scans only "
+            "its own stream. The same holds for the warm per-slot cache. Pools need the "
+            "unified cache, so traffic that does not attach to a pool pays this on a PolyKV "
+            "engine.",
+            "",
+        ]
+
+    fo = res.get("fanout")
+    fan = raw.get("fanout") or []
+    if fo and fan:
+        f0 = fan[0]
+        lines += [
+            f"Fork fan-out: a trunk pool of {f0['trunk_tokens']} tokens, {f0['n_forks']} forks "
+            f"each extending it by a different {f0['tail_tokens']}-token tail (created "
+            f"together), {f0['sessions_per_fork']} sessions attached to each fork "
+            f"({f0['n_forks'] * f0['sessions_per_fork']} released at once):",
+            "",
+            H.markdown_table(
+                [
+                    "trunk create",
+                    "4 forks create (slowest)",
+                    "first token, median [slowest]",
+                    "KV in use",
+                    "÷ ideal (T + Σtails + ΣSᵢ)",
+                    "unshared would hold",
+                    "one root pool per branch would hold",
+                ],
+                [
+                    [
+                        _fmt(fo["trunk_create_s"], 2, unit=" s"),
+                        _fmt(fo["fork_create_s_max"], 2, unit=" s"),
+                        f"{_secs(fo['ttft_ms_median'])} [{_med(fo['ttft_ms_max'], 2, 1e-3, ' s')}]",
+                        _med(fo["kv_bytes"], 1, 1e-6, " MB"),
+                        _med(fo["kv_over_ideal"], 4),
+                        _med(fo["unshared_over_pooled"], 2, unit="×"),
+                        _med(fo["root_pools_over_pooled"], 2, unit="×"),
+                    ]
+                ],
+            ),
+            "",
+        ]
+
+    tg = res["targets"]
+    rows = []
+    for r in tg["kv"]["rows"]:
+        what = (
+            "fork fan-out"
+            if r["k"] == "fan-out"
+            else f"{r['k']} session" + ("s" if r["k"] != 1 else "")
+        )
+        rows.append(
+            [
+                f"KV bytes ≤ {tg['kv']['limit']:.2f} × ideal ({what})",
+                f"{r['worst_ratio']:.4f} (worst repeat)",
+                "**met**" if r["met"] else "**missed**",
+            ]
+        )
+    for r in tg["ttft"]["rows"]:
+        flags = "-fa off" if r["engine"] == "polykv" else "-fa on"
+        warm = [
+            f"{where} {r[f]['median']:.2f}×"
+            for f, where in (
+                ("pool_over_warm_cache", "unified"),
+                ("pool_over_split_warm_cache", "split KV"),
+            )
+            if r.get(f)
+        ]
+        rows.append(
+            [
+                f"attach first token ≤ {tg['ttft']['limit']:.1f} × suffix alone ({r['k']} "
+                f"session{'s' if r['k'] > 1 else ''}, `{flags}`)",
+                f"{r['ratio_of_medians']:.2f}× (per repeat {r['paired']['min']:.2f}–"
+                f"{r['paired']['max']:.2f}×)"
+                + (f"; ÷ a warm per-slot cache hit: {', '.join(warm)}" if warm else ""),
+                "**met**" if r["met"] else "**missed**",
+            ]
+        )
+    lines += [H.markdown_table(["issue 3 target", "measured", "verdict"], rows), ""]
+    fa_rows = []
+    for k in cfg.levels:
+        on_a, on_p = c("polykv-fa-on", "alone", k), c("polykv-fa-on", "pool", k)
+        off_a, off_p = c("polykv", "alone", k), c("polykv", "pool", k)
+        if not (on_a and on_p and off_a and off_p):
+            continue
+        fa_rows.append(
+            [
+                str(k),
+                f"{_med(off_a['ttft_ms_median'], 2, 1e-3, ' s')} / "
+                f"{_med(on_a['ttft_ms_median'], 2, 1e-3, ' s')}",
+                f"{_med(off_p['ttft_ms_median'], 2, 1e-3, ' s')} / "
+                f"{_med(on_p['ttft_ms_median'], 2, 1e-3, ' s')}",
+                f"{_med(off_p['create_s'], 2, unit=' s')} / {_med(on_p['create_s'], 2, unit=' s')}",
+            ]
+        )
+    if fa_rows:
+        lines += [
+            "The attention kernel (`-fa off` / `-fa on`, medians): flash attention makes the "
+            "short suffix-alone prefill faster, so the ratio above grows, while attach times "
+            "move less:",
+            "",
+            H.markdown_table(
+                ["sessions", "suffix alone", "pool attach", "pool create (P tokens)"], fa_rows
+            ),
+            "",
+        ]
+
+    af = res["attention_floor"]
+    missed = [r for r in tg["ttft"]["rows"] if not r["met"]]
+    if missed:
+        m = raw["model"]
+        lines += [
+            "Why the attach-time target misses here: an attached suffix token attends to all "
+            f"P = {p} prefix keys, a suffix alone only to its own few. On this model that "
+            f"attention is {af['attention_flops_per_suffix_token'] / 1e6:.0f} MFLOP per suffix "
+            f"token (4 × {m['n_layer']} layers × {m['n_embd']} × P) against "
+            f"{af['weight_flops_per_token'] / 1e6:.0f} MFLOP of weights (2 × "
+            f"{m['n_params'] / 1e6:.0f}M parameters), so even a perfect kernel cannot go "
+            f"below {af['min_ratio']:.2f}× the suffix alone, and CPU attention kernels run "
+            "below matmul efficiency. The reference that does the same work is a warm "
+            "per-slot cache hit (the same suffix after the same cached prefix, no pool): "
+            "attach ÷ that is in the measured column (on the unified cache, k warm slots "
+            "hold k copies of the prefix, which every query also scans, masked; the split "
+            "cache has no such cost). On a production-sized model the same arithmetic gives "
+            "a few percent (32 layers × 4096 wide, 7B parameters: "
+            f"{1 + 4 * 32 * 4096 * p / 14e9:.2f}×), where the target is within reach.",
+            "",
+        ]
+    foreign = [r["foreign_cpu_cores"] for r in raw["runs"]]
+    lines += [
+        f"{env['cpu']}, {env['cpu_count']} cores; other processes used "
+        f"{statistics.median(foreign):.2f} cores (median, max {max(foreign):.2f}) while "
+        f"measuring. Commit {env['git_commit']}, {env['date_utc']}; `python -m "
+        f"bench.pool_sharing`, raw numbers in `bench/results/{NAME}.json`.",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from exc
+    if not levels or levels[0] < 1 or levels[-1] > N_PARALLEL:
+        raise argparse.ArgumentTypeError(f"levels must lie in 1..{N_PARALLEL}")
+    return levels
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.pool_sharing", description=__doc__)
+    p.add_argument("--reps", type=int, default=3, help="repeats per measurement (default 3)")
+    p.add_argument("--levels", type=_levels, default=LEVELS, help="session counts, 1,4,8")
+    p.add_argument("--prefix-tokens", type=int, default=PREFIX_TOKENS, help="shared prefix P")
+    p.add_argument("--no-split", action="store_true", help="skip the split-KV baseline engine")
+    p.add_argument("--no-fa-variant", action="store_true", help="skip the -fa on engine")
+    p.add_argument("--no-fanout", action="store_true", help="skip the fork fan-out")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="-t for every engine")
+    p.add_argument("--no-readme", action="store_true", help="do not touch README.md")
+    p.add_argument("--no-publish", action="store_true", help="print only; write no files")
+    p.add_argument("--quick", action="store_true", help="smoke run: small, 1 repeat, no files")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        help="measure nothing: re-analyse and re-render a results file this benchmark wrote",
+    )
+    args = p.parse_args(argv)
+    if args.from_json:
+        return rerender(args.from_json, publish=not args.no_publish, readme=not args.no_readme)
+    cfg = Config(
+        reps=args.reps,
+        prefix_tokens=args.prefix_tokens,
+        levels=args.levels,
+        split_baseline=not args.no_split,
+        fa_variant=not args.no_fa_variant,
+        fork_fanout=not args.no_fanout,
+        threads=args.threads,
+    )
+    if args.quick:
+        cfg.reps, cfg.prefix_tokens, cfg.levels = 1, 400, (1, 2)
+    if cfg.reps < 1 or not 200 <= cfg.prefix_tokens <= 8000:
+        p.error("--reps must be >= 1 and --prefix-tokens in 200..8000")
+    t0 = time.monotonic()
+    raw = measure(cfg)
+    res = analyse(cfg, raw)
+    table = render(cfg, raw, res)
+    data = {
+        "benchmark": NAME,
+        "config": dataclasses.asdict(cfg),
+        "elapsed_s": round(time.monotonic() - t0, 1),
+        **{k: v for k, v in raw.items() if k not in ("runs", "fanout")},
+        "summary": res,
+        "runs": raw["runs"],
+        "fanout": raw["fanout"],
+    }
+    if not (args.no_publish or args.quick):
+        H.publish(NAME, data, table, readme=None if args.no_readme else H.README)
+    print(table)
+    H.progress(f"done in {time.monotonic() - t0:.0f}s")
+    return 0
+
+
+def rerender(path: Path, publish: bool, readme: bool) -> int:
+    """Tables from an earlier measurement (its environment and commit stay as recorded)."""
+    data = json.loads(path.read_text())
+    conf = dict(data["config"])
+    conf["levels"] = tuple(conf["levels"])
+    cfg = Config(**conf)
+    raw = {k: data[k] for k in ("env", "model", "props", "runs", "fanout")}
+    res = analyse(cfg, raw)
+    table = render(cfg, raw, res)
+    if publish:
+        data["summary"] = res
+        H.publish(NAME, data, table, readme=H.README if readme else None)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
