@@ -95,19 +95,26 @@ class Settle:
     task_id: int
     mean_at_admit: float
     n_active_at_admit: int
-    finished: bool = False  # the admitted request already ended
 
 
 @dataclass(slots=True)
 class PoolAdmissionState:
-    """What a pool remembers between admits."""
+    """What a pool remembers between admits.
+
+    The measured drop is learned as a correction factor on the n/(n+1) model's drop
+    (``drop_factor`` = measured drop ÷ the model's drop at that n), so one admit's lesson
+    carries to the next at a different n: measured here, the first admit's absolute drop
+    (1 → 2 sessions, ~30 tok/s) is many times the later ones' (3–6 tok/s), and an absolute
+    EWMA seeded by it refused every further session. ``drop_per_admit_ewma`` reports the
+    resulting forecast in tok/s for the next admit.
+    """
 
     settle: Settle | None = None
-    drop_ewma: float | None = None
+    drop_factor: float | None = None
     last_settled_mean: float | None = None
     last_settled_ts: float = 0.0
     n_drop_samples: int = 0
-    history: list[float] = field(default_factory=list)  # recent drops, newest last
+    history: list[float] = field(default_factory=list)  # recent measured drops, newest last
 
     def record_admit(self, task_id: int, view: EngineView, now: float) -> None:
         self.settle = Settle(now, task_id, view.mean_active, len(view.active_rates))
@@ -117,25 +124,38 @@ class PoolAdmissionState:
             return 0.0
         return max(0.0, policy.settle_max_ms - (now - self.settle.t_admit) * 1e3)
 
+    def forecast_drop(self, mean: float, n: int) -> float | None:
+        """The next admit's drop in tok/s at the current mean and n, once one was measured."""
+        if self.drop_factor is None or n <= 0:
+            return None
+        return self.drop_factor * mean / (n + 1)
+
     def update(self, policy: Policy, view: EngineView, now: float) -> bool:
         """Close the settle window when the admitted session has decoded ``settle_tokens``
-        (or it ended, or ``settle_max_ms`` passed). Returns True when a window closed."""
+        or ``settle_max_ms`` passed (a turn shorter than settle_tokens waits for the timeout:
+        closing early would measure the mean without the admitted session). While no window
+        is open, a live mean refreshes the last settled mean, so the idle-gap estimate stays
+        fresh on a busy pool. Returns True when a window closed."""
         s = self.settle
+        mean_now = view.mean_active
         if s is None:
+            if mean_now > 0 and view.n_warming == 0:
+                self.last_settled_mean = mean_now
+                self.last_settled_ts = now
             return False
         admitted = next((x for x in view.sessions if x.task_id == s.task_id), None)
         decoded_enough = admitted is not None and admitted.n_decoded >= policy.settle_tokens
-        gone = admitted is None and s.finished
         timed_out = (now - s.t_admit) * 1e3 >= policy.settle_max_ms
-        if not (decoded_enough or gone or timed_out):
+        if not (decoded_enough or timed_out):
             return False
-        mean_now = view.mean_active
-        if s.n_active_at_admit > 0 and mean_now > 0:
+        n0 = s.n_active_at_admit
+        if n0 > 0 and mean_now > 0 and s.mean_at_admit > 0:
             drop = max(0.0, s.mean_at_admit - mean_now)
-            self.drop_ewma = (
-                drop
-                if self.drop_ewma is None
-                else DROP_ALPHA * drop + (1 - DROP_ALPHA) * self.drop_ewma
+            factor = drop / (s.mean_at_admit / (n0 + 1))
+            self.drop_factor = (
+                factor
+                if self.drop_factor is None
+                else DROP_ALPHA * factor + (1 - DROP_ALPHA) * self.drop_factor
             )
             self.n_drop_samples += 1
             self.history = [*self.history[-15:], drop]
@@ -175,22 +195,26 @@ def capacity(
 ) -> Capacity:
     mean = view.mean_active
     n = len(view.active_rates)
+    fresh = (
+        state.last_settled_mean is not None and now - state.last_settled_ts < IDLE_SAMPLE_FRESH_S
+    )
+    if 0 < n < view.n_pool_sessions and fresh and state.last_settled_mean is not None:
+        # Some of the pool's sessions are between turns: the live mean flatters the load they
+        # bring back, so judge from the lower of it and the last settled mean, at the pool's n.
+        mean = min(mean, state.last_settled_mean)
+        n = view.n_pool_sessions
     model = mean * n / (n + 1) if n > 0 else None
-    drop = state.drop_ewma
-    measured = max(0.0, mean - drop) if (drop is not None and n > 0) else None
+    drop = state.forecast_drop(mean, n)
+    measured = max(0.0, mean - drop) if drop is not None else None
     projected = measured if measured is not None else model
     idle_estimate = False
-    if (
-        n == 0
-        and view.n_pool_sessions > 0
-        and state.last_settled_mean is not None
-        and now - state.last_settled_ts < IDLE_SAMPLE_FRESH_S
-    ):
+    if n == 0 and view.n_pool_sessions > 0 and fresh and state.last_settled_mean is not None:
         # Every session is between turns: no live rate, but the last settled mean is fresh,
         # so "nothing decoding" must not read as free capacity (spec §14.2).
         idle_estimate = True
         last = state.last_settled_mean
         k = view.n_pool_sessions
+        drop = state.forecast_drop(last, k)
         projected = max(0.0, last - drop) if drop is not None else last * k / (k + 1)
     per_session = session_cells(view, expected_tokens)
     kv_room = view.free_cells // per_session

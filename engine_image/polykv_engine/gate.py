@@ -114,17 +114,18 @@ class AdmissionGate:
             await asyncio.sleep(POLL_S)
 
     def tick(self, now: float) -> None:
-        """Close settle windows promptly, so a drop is measured when it settles."""
+        """Close settle windows promptly (a drop is measured when it settles) and keep each
+        policed pool's last settled mean current."""
         snap = self.engine.snapshot
         live = {p.pool_id for p in snap.pools}
         for pid in [pid for pid in self.states if pid not in live]:
             del self.states[pid]  # the pool was released
         for pool in snap.pools:
-            st = self.states.get(pool.pool_id)
-            if st is None or st.settle is None or pool.admission is None:
+            if pool.admission is None:
                 continue
+            st = self.state(pool.pool_id)  # keeps the settled mean fresh even between admits
             if st.update(pool.admission, engine_view(snap, pool), now):
-                log.debug("pool %s: settled, drop_ewma=%s", pool.label, st.drop_ewma)
+                log.debug("pool %s: settled, drop factor %s", pool.label, st.drop_factor)
 
     # ------------------------------------------------------------------ questions
 
@@ -184,12 +185,9 @@ class AdmissionGate:
         return headers
 
     def finished(self, task: GenerateTask) -> None:
-        """The request ended (done, failed or cancelled): its settle cannot wait for it."""
+        """The request ended: count a prefix hit when it reused the pool's cells."""
         if task.pool is not None and task.shared_prefix > 0:
             self.prefix_hits.labels(task.pool.label).inc()
-        for st in self.states.values():
-            if st.settle is not None and st.settle.task_id == task.task_id:
-                st.settle.finished = True
 
     def _record(self, pool: PoolSnapshot, task: GenerateTask) -> None:
         self.admits.labels(pool.label).inc()

@@ -53,15 +53,16 @@ def test_warming_sessions_are_excluded_from_the_mean() -> None:
 def test_courier_run_stale_ewma_and_measured_drop() -> None:
     """§14.1: the courier run went 38 → 31.7 → 21.7 → 15.9 → 11.6 tps as it admitted
     workers against a floor of 15, because (1) it re-admitted before the EWMA absorbed the
-    last admit and (2) the n/(n+1) model under-predicted every drop.
+    last admit and (2) nothing learned what an admit really costs.
 
-    Here the settle window blocks (1), and the measured drop refuses the admit at 21.7 that
-    the n/(n+1) model would have allowed (it projects 16.3; reality was 15.9, then 11.6)."""
+    Here the settle window blocks (1), and the learned drop factor (measured drop ÷ the
+    n/(n+1) model's drop) admits exactly the sessions that stayed above the floor (down to
+    15.9) and refuses the one that took the real run to 11.6."""
     policy = Policy(15.0, "enforced", settle_tokens=48, settle_max_ms=5000)
     st = PoolAdmissionState()
     t = 0.0
     sessions = [sess(38.0, task=1)]
-    for step, after in enumerate([31.7, 21.7]):
+    for step, after in enumerate([31.7, 21.7, 15.9]):
         v = view(*sessions)
         cap = capacity(policy, st, v, now=t)
         assert cap.can_admit, (step, cap)
@@ -74,25 +75,49 @@ def test_courier_run_stale_ewma_and_measured_drop() -> None:
         t += 2.0
         assert st.update(policy, view(*sessions), now=t)
         assert st.settle is None
-    drop = 0.3 * 10.0 + 0.7 * 6.3  # drops of 6.3 then 10.0, alpha 0.3
-    assert st.drop_ewma == pytest.approx(drop)
+    factors = [6.3 / (38 / 2), 10.0 / (31.7 / 3), 5.8 / (21.7 / 4)]
+    k = factors[0]
+    for f in factors[1:]:
+        k = 0.3 * f + 0.7 * k
+    assert st.drop_factor == pytest.approx(k)
+    assert st.history == pytest.approx([6.3, 10.0, 5.8])
     cap = capacity(policy, st, view(*sessions), now=t)
-    assert cap.projected_mean_tps_model == pytest.approx(21.7 * 3 / 4)  # 16.3: would admit
-    assert cap.projected_mean_tps_measured == pytest.approx(21.7 - drop)  # 14.3: refuses
+    assert cap.drop_per_admit_ewma == pytest.approx(k * 15.9 / 5)
+    assert cap.projected_mean_tps_measured == pytest.approx(15.9 - k * 15.9 / 5)
     assert not cap.can_admit and cap.reason == REASON_FLOOR
 
 
-def test_settle_closes_on_timeout_or_when_the_request_ends() -> None:
+def test_settle_closes_on_tokens_or_timeout_never_on_a_short_turn() -> None:
     policy = Policy(5.0, settle_tokens=48, settle_max_ms=1000)
     st = PoolAdmissionState()
     st.record_admit(7, view(sess(30, task=1)), now=0.0)
     assert not st.update(policy, view(sess(30, task=1), sess(0, task=7, decoded=3)), now=0.5)
     assert st.settle_remaining_ms(policy, 0.5) == pytest.approx(500)
+    # The admitted turn ended before 48 tokens: the mean without it says nothing yet.
+    assert not st.update(policy, view(sess(30, task=1)), now=0.9)
     assert st.update(policy, view(sess(30, task=1)), now=1.0)  # timed out
     st.record_admit(8, view(sess(30, task=1)), now=2.0)
-    assert st.settle is not None
-    st.settle.finished = True
-    assert st.update(policy, view(sess(30, task=1)), now=2.1)
+    assert st.update(policy, view(sess(25, task=1), sess(25, task=8, decoded=48)), now=2.2)
+
+
+def test_a_busy_pool_keeps_its_idle_estimate_fresh() -> None:
+    st = PoolAdmissionState(drop_factor=1.0)
+    policy = FLOOR15
+    # Sessions decode now and then, with no admit for minutes: the settled mean follows.
+    st.update(policy, view(sess(16.0), sess(16.0)), now=100.0)
+    idle = SessionView(None, False, False, 16.0, 0, True, 300, 100)
+    cap = capacity(policy, st, view(idle, idle), now=125.0)
+    assert cap.projected_idle_estimate and not cap.can_admit
+    assert cap.reason == REASON_FLOOR_IDLE
+
+
+def test_a_partly_paused_pool_is_judged_at_its_full_size() -> None:
+    st = PoolAdmissionState(last_settled_mean=16.0, last_settled_ts=99.0)
+    paused = SessionView(None, False, False, 16.0, 0, True, 300, 100)
+    # One of two agents is in a tool call: the other alone reads 30 tok/s.
+    cap = capacity(FLOOR15, st, view(sess(30.0), paused), now=100.0)
+    assert cap.projected_mean_tps_model == pytest.approx(16.0 * 2 / 3)
+    assert not cap.can_admit and cap.reason == REASON_FLOOR
 
 
 def test_guarantee_admits_the_first_session_even_when_saturated() -> None:
