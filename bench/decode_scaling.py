@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import dataclasses
 import functools
 import os
 import random
@@ -864,9 +863,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-variants", action="store_true", help="skip the engine variants")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="-t for both servers")
     p.add_argument("--no-baseline", action="store_true", help="skip llama-cpp-python's server")
-    p.add_argument("--no-readme", action="store_true", help="do not touch README.md")
-    p.add_argument("--no-publish", action="store_true", help="print only; write no files")
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, short, no files")
+    H.add_output_flags(p)
     args = p.parse_args(argv)
     cfg = Config(
         reps=args.reps,
@@ -882,23 +879,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--reps must be >= 1 and --n-predict >= 16")
     if 1 not in cfg.levels:
         p.error("--levels must include 1 (the reference for scaling)")
-    t0 = time.monotonic()
-    raw = measure(cfg)
-    res = analyse(cfg, raw)
-    table = render(cfg, raw, res)
-    data = {
-        "benchmark": NAME,
-        "config": dataclasses.asdict(cfg),
-        "elapsed_s": round(time.monotonic() - t0, 1),
-        **{k: v for k, v in raw.items() if k != "runs"},
-        "summary": res,
-        "runs": raw["runs"],
-    }
-    if not (args.no_publish or args.quick):
-        H.publish(NAME, data, table, readme=None if args.no_readme else H.README)
-    print(table)
-    H.progress(f"done in {time.monotonic() - t0:.0f}s")
-    return 0
+    return H.run_and_publish(NAME, cfg, args, measure, analyse, render)
 
 
 if __name__ == "__main__":

@@ -479,3 +479,42 @@ def publish(
         if new != old:
             readme.write_text(new)
         progress(f"README table {name} updated")
+
+
+def add_output_flags(p: Any) -> None:
+    """The flags every benchmark shares: where its results go."""
+    p.add_argument("--no-readme", action="store_true", help="do not touch README.md")
+    p.add_argument("--no-publish", action="store_true", help="print only; write no files")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, short, no files")
+
+
+def run_and_publish(
+    name: str,
+    cfg: Any,
+    args: Any,
+    measure: Callable[[Any], dict[str, Any]],
+    analyse: Callable[[Any, dict[str, Any]], Any],
+    render: Callable[[Any, dict[str, Any], Any], str],
+    bulky: Sequence[str] = ("runs",),
+) -> int:
+    """Measure, summarise, print the table, and publish it unless told not to. ``bulky`` raw
+    entries go last in the JSON, after the summary a reader looks for first."""
+    import dataclasses
+
+    t0 = time.monotonic()
+    raw = measure(cfg)
+    res = analyse(cfg, raw)
+    table = render(cfg, raw, res)
+    data = {
+        "benchmark": name,
+        "config": dataclasses.asdict(cfg),
+        "elapsed_s": round(time.monotonic() - t0, 1),
+        **{k: v for k, v in raw.items() if k not in bulky},
+        "summary": res,
+        **{k: raw[k] for k in bulky},
+    }
+    if not (args.no_publish or args.quick):
+        publish(name, data, table, readme=None if args.no_readme else README)
+    print(table)
+    progress(f"done in {time.monotonic() - t0:.0f}s")
+    return 0

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import dataclasses
 import functools
 import json
 import os
@@ -1034,9 +1033,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-fa-variant", action="store_true", help="skip the -fa on engine")
     p.add_argument("--no-fanout", action="store_true", help="skip the fork fan-out")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="-t for every engine")
-    p.add_argument("--no-readme", action="store_true", help="do not touch README.md")
-    p.add_argument("--no-publish", action="store_true", help="print only; write no files")
-    p.add_argument("--quick", action="store_true", help="smoke run: small, 1 repeat, no files")
+    H.add_output_flags(p)
     p.add_argument(
         "--from-json",
         type=Path,
@@ -1058,24 +1055,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.reps, cfg.prefix_tokens, cfg.levels = 1, 400, (1, 2)
     if cfg.reps < 1 or not 200 <= cfg.prefix_tokens <= 8000:
         p.error("--reps must be >= 1 and --prefix-tokens in 200..8000")
-    t0 = time.monotonic()
-    raw = measure(cfg)
-    res = analyse(cfg, raw)
-    table = render(cfg, raw, res)
-    data = {
-        "benchmark": NAME,
-        "config": dataclasses.asdict(cfg),
-        "elapsed_s": round(time.monotonic() - t0, 1),
-        **{k: v for k, v in raw.items() if k not in ("runs", "fanout")},
-        "summary": res,
-        "runs": raw["runs"],
-        "fanout": raw["fanout"],
-    }
-    if not (args.no_publish or args.quick):
-        H.publish(NAME, data, table, readme=None if args.no_readme else H.README)
-    print(table)
-    H.progress(f"done in {time.monotonic() - t0:.0f}s")
-    return 0
+    return H.run_and_publish(NAME, cfg, args, measure, analyse, render, bulky=("runs", "fanout"))
 
 
 def rerender(path: Path, publish: bool, readme: bool) -> int:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import itertools
 import json
 import os
@@ -822,9 +821,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--floor", type=float, help="skip the calibration: use this floor (tok/s)")
     p.add_argument("--n-ok", type=int, help="with --floor: agents the floor supports")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="-t for the engine")
-    p.add_argument("--no-readme", action="store_true", help="do not touch README.md")
-    p.add_argument("--no-publish", action="store_true", help="print only; write no files")
-    p.add_argument("--quick", action="store_true", help="smoke run: short, 1 repeat, no files")
+    H.add_output_flags(p)
     p.add_argument(
         "--from-json",
         type=Path,
@@ -846,23 +843,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.reps, cfg.run_s, cfg.prefix_tokens = 1, 20.0, 400
     if cfg.reps < 1 or cfg.run_s < 10 or not 200 <= cfg.prefix_tokens <= 8000:
         p.error("--reps >= 1, --run-s >= 10, --prefix-tokens in 200..8000")
-    t0 = time.monotonic()
-    raw = measure(cfg)
-    res = analyse(cfg, raw)
-    table = render(cfg, raw, res)
-    data = {
-        "benchmark": NAME,
-        "config": dataclasses.asdict(cfg),
-        "elapsed_s": round(time.monotonic() - t0, 1),
-        **{k: v for k, v in raw.items() if k != "runs"},
-        "summary": res,
-        "runs": raw["runs"],
-    }
-    if not (args.no_publish or args.quick):
-        H.publish(NAME, data, table, readme=None if args.no_readme else H.README)
-    print(table)
-    H.progress(f"done in {time.monotonic() - t0:.0f}s")
-    return 0
+    return H.run_and_publish(NAME, cfg, args, measure, analyse, render)
 
 
 def rerender(path: Path, publish: bool, readme: bool) -> int:
