@@ -481,11 +481,18 @@ def publish(
         progress(f"README table {name} updated")
 
 
-def add_output_flags(p: Any) -> None:
-    """The flags every benchmark shares: where its results go."""
+def add_output_flags(p: Any, rerender: bool = False) -> None:
+    """The flags every benchmark shares: where its results go (and, for benchmarks that can
+    re-render a saved result, where it comes from)."""
     p.add_argument("--no-readme", action="store_true", help="do not touch README.md")
     p.add_argument("--no-publish", action="store_true", help="print only; write no files")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, short, no files")
+    if rerender:
+        p.add_argument(
+            "--from-json",
+            type=Path,
+            help="measure nothing: re-analyse and re-render a results file this benchmark wrote",
+        )
 
 
 def run_and_publish(

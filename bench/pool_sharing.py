@@ -1033,12 +1033,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-fa-variant", action="store_true", help="skip the -fa on engine")
     p.add_argument("--no-fanout", action="store_true", help="skip the fork fan-out")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="-t for every engine")
-    H.add_output_flags(p)
-    p.add_argument(
-        "--from-json",
-        type=Path,
-        help="measure nothing: re-analyse and re-render a results file this benchmark wrote",
-    )
+    H.add_output_flags(p, rerender=True)
     args = p.parse_args(argv)
     if args.from_json:
         return rerender(args.from_json, publish=not args.no_publish, readme=not args.no_readme)

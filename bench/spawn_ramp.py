@@ -821,12 +821,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--floor", type=float, help="skip the calibration: use this floor (tok/s)")
     p.add_argument("--n-ok", type=int, help="with --floor: agents the floor supports")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="-t for the engine")
-    H.add_output_flags(p)
-    p.add_argument(
-        "--from-json",
-        type=Path,
-        help="measure nothing: re-analyse and re-render a results file this benchmark wrote",
-    )
+    H.add_output_flags(p, rerender=True)
     args = p.parse_args(argv)
     if args.from_json:
         return rerender(args.from_json, publish=not args.no_publish, readme=not args.no_readme)

@@ -113,7 +113,6 @@ class PoolAdmissionState:
     drop_factor: float | None = None
     last_settled_mean: float | None = None
     last_settled_ts: float = 0.0
-    n_drop_samples: int = 0
     history: list[float] = field(default_factory=list)  # recent measured drops, newest last
 
     def record_admit(self, task_id: int, view: EngineView, now: float) -> None:
@@ -157,7 +156,6 @@ class PoolAdmissionState:
                 if self.drop_factor is None
                 else DROP_ALPHA * factor + (1 - DROP_ALPHA) * self.drop_factor
             )
-            self.n_drop_samples += 1
             self.history = [*self.history[-15:], drop]
         if mean_now > 0:
             self.last_settled_mean = mean_now

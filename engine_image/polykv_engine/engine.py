@@ -758,7 +758,6 @@ class Engine:
             prefill_tps=self._prefill_rate.rate(now),
             kv_cells_used=self._kv.used if self._kv is not None else 0,
             kv_cells_total=rt.n_ctx if rt else 0,
-            n_pools=len(pools),
             pools=pools,
             counters=self._counters,
         )

@@ -186,8 +186,6 @@ class PoolTree:
     ) -> Pool:
         if not tokens:
             raise PoolError(400, "a pool prefix needs at least one token")
-        if parent.residency == "materializing" and parent.n_materialized == 0:
-            pass  # the fork waits for the parent; validation below uses host-side tokens
         shared = common_prefix_len(parent.tokens, tokens)
         if branch_pos is None:
             d = shared

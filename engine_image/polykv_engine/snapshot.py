@@ -81,7 +81,6 @@ class EngineSnapshot:
     prefill_tps: float = 0.0
     kv_cells_used: int = 0
     kv_cells_total: int = 0
-    n_pools: int = 0
     pools: tuple[PoolSnapshot, ...] = ()
     counters: Counters = field(default_factory=Counters)
 

@@ -95,4 +95,3 @@ class GenerateTask:
     pool: Pool | None = None
     pool_fallback: str | None = None  # why the pool could not be used (served without it)
     shared_prefix: int = 0
-    slot: int = -1
