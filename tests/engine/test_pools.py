@@ -343,3 +343,23 @@ def test_listing_carries_each_pools_capacity(pc: httpx.Client) -> None:
     cap = pool["capacity"]
     assert cap["can_admit"] is True and cap["reason"] == "ok"
     assert cap["headroom_sessions"] >= 1 and 0.0 <= cap["compaction_pressure"] <= 1.0
+
+
+def test_flush_and_slot_erase_refusals(pc: httpx.Client) -> None:
+    create(pc, prompt=SYSTEM, name="fl-root")
+    fork(pc, "fl-root", prompt=SYSTEM + TOOLS_A, name="fl-kid", pin=True)
+    r = pc.post("/polykv/pools/fl-root/flush", headers=ADMIN)
+    assert r.status_code == 409 and "fl-kid" in r.json()["error"]["message"]
+    assert {p["residency"] for p in listing(pc)["pools"]} == {"resident"}
+    assert pc.delete("/polykv/pools/ghost/admission", headers=ADMIN).status_code == 404
+    for path, status in (
+        ("/slots/abc?action=erase", 400),
+        ("/slots/0?action=explode", 400),
+        ("/slots/0?action=save", 501),
+        ("/slots/99?action=erase", 404),
+    ):
+        r = pc.post(path, headers=ADMIN)
+        assert r.status_code == status, (path, r.text)
+        assert r.json()["error"]["code"] == status
+    r = pc.post("/slots/0?action=erase", headers={"Authorization": "Bearer infer-key"})
+    assert r.status_code == 403
