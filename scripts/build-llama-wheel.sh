@@ -1,15 +1,35 @@
 #!/usr/bin/env bash
-# Build (once) and cache the llama-cpp-python wheel outside the repo.
-# The compile takes ~8 minutes on 2 cores; every later run reuses the cached wheel.
+# Build (once) and cache a portable llama-cpp-python wheel outside the repo.
+#
+# Portable: no -march=native. ggml's CPU backend is built once per x86 feature level
+# (GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS, as llama.cpp's release images do) and the best
+# one for the CPU at hand is picked when the engine starts, so a wheel or image built on one
+# CPU runs on any other x86-64 CPU.
+#
+# AMX off: the "sapphirerapids" variant is the only one compiled with AMX_TILE/AMX_INT8, and
+# ggml's AMX matmul path (taken for quantized weights) dies with SIGILL on AMX Xeons when the
+# thread lacks the AMX permission (llama.cpp PR 26954, not in this version). We drop that
+# variant from the vendored CMake list before building; an AMX Xeon then loads the next best
+# variant (zen4/cooperlake, AVX-512 without AMX). The engine's tests assert that no loaded
+# backend reports AMX.
+#
+# The compile takes ~15-25 minutes on 2 cores; every later run reuses the cached wheel.
+# Prints the wheel path as the last line of stdout.
 set -euo pipefail
-VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VERSION="0.3.36"
+SDIST_SHA256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 PY="${PYTHON:-python3.11}"
 PYTAG="$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
 CACHE_ROOT="${POLYKV_CACHE:-$HOME/.cache/polykv}"
-# The key names everything that changes the binary: version, interpreter, arch, cmake args.
-ARGS_KEY="$(printf '%s' "${CMAKE_ARGS:-}" | sha1sum | cut -c1-8)"
-DEST="$CACHE_ROOT/wheels/llama-cpp-python-$VERSION-$PYTAG-$(uname -m)-$ARGS_KEY"
-mkdir -p "$CACHE_ROOT/wheels"
+# Every option that changes the binary. LLAMA_CPP_EXTRA_CMAKE_ARGS adds to them (e.g. a GPU backend).
+CMAKE_FLAGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_OPENMP=ON ${LLAMA_CPP_EXTRA_CMAKE_ARGS:-}"
+DROP_VARIANTS="sapphirerapids"
+# The key names everything that changes the binary: version, interpreter, arch, flags, dropped
+# variants, and this script itself.
+KEY="$(printf '%s|%s|%s' "$CMAKE_FLAGS" "$DROP_VARIANTS" "$(sha1sum < "${BASH_SOURCE[0]}")" | sha1sum | cut -c1-10)"
+DEST="$CACHE_ROOT/wheels/llama-cpp-python-$VERSION-$PYTAG-$(uname -m)-portable-noamx-$KEY"
+mkdir -p "$CACHE_ROOT/wheels" "$CACHE_ROOT/sdists"
 # One build at a time: a second caller waits for the first and then reuses its wheel.
 exec 9>"$DEST.lock"
 flock 9
@@ -17,19 +37,49 @@ if ls "$DEST"/llama_cpp_python-*.whl >/dev/null 2>&1; then
   ls "$DEST"/llama_cpp_python-*.whl
   exit 0
 fi
-mkdir -p "$DEST.tmp"
-echo ">> building llama-cpp-python $VERSION from source (one time, ~8 min on 2 cores); log: $DEST.log" >&2
+
+SDIST="$CACHE_ROOT/sdists/llama_cpp_python-$VERSION.tar.gz"
+if ! echo "$SDIST_SHA256  $SDIST" | sha256sum -c --quiet 2>/dev/null; then
+  echo ">> downloading the llama-cpp-python $VERSION source distribution" >&2
+  rm -f "$SDIST"
+  "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" \
+    -d "$CACHE_ROOT/sdists" >&2
+  echo "$SDIST_SHA256  $SDIST" | sha256sum -c --quiet || {
+    echo "!! checksum mismatch for $SDIST" >&2; exit 1; }
+fi
+
+WORK="$DEST.src"
+rm -rf "$WORK" "$DEST.tmp"
+mkdir -p "$WORK" "$DEST.tmp"
+tar -xzf "$SDIST" -C "$WORK"
+SRC="$WORK/llama_cpp_python-$VERSION"
+VARIANTS_CMAKE="$SRC/vendor/llama.cpp/ggml/src/CMakeLists.txt"
+for v in $DROP_VARIANTS; do
+  grep -q "ggml_add_cpu_backend_variant($v " "$VARIANTS_CMAKE" || {
+    echo "!! variant $v not found in $VARIANTS_CMAKE: the drop list needs review" >&2; exit 1; }
+  sed -i "/ggml_add_cpu_backend_variant($v /d" "$VARIANTS_CMAKE"
+done
+
+echo ">> building portable llama-cpp-python $VERSION (one time, ~15-25 min on 2 cores); log: $DEST.log" >&2
 start=$(date +%s)
-# Progress: the compile prints ninja's [n/N] steps into the log; echo the latest one every 20 s.
-( while sleep 20; do
+# Progress: the compile prints ninja's [n/N] steps into the log; echo the latest one every 30 s.
+( while sleep 30; do
     step="$(grep -aoE '\[[0-9]+/[0-9]+\]' "$DEST.log" 2>/dev/null | tail -1 || true)"
     echo ">>   still building llama-cpp-python ${step:-(configuring)} $(( $(date +%s) - start ))s" >&2
   done ) &
 ticker=$!
 trap 'kill $ticker 2>/dev/null || true' EXIT
+CMAKE_ARGS="$CMAKE_FLAGS" \
 CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
-  "$PY" -m pip wheel -v --no-deps "llama-cpp-python==$VERSION" -w "$DEST.tmp" >"$DEST.log" 2>&1 || {
+  "$PY" -m pip wheel -v --no-deps "$SRC" -w "$DEST.tmp" >"$DEST.log" 2>&1 || {
     echo "!! llama-cpp-python build failed; tail of $DEST.log:" >&2; tail -40 "$DEST.log" >&2; exit 1; }
-rm -rf "$DEST" && mv "$DEST.tmp" "$DEST"
+# The wheel must carry one CPU backend per feature level and none with AMX.
+listing="$("$PY" -m zipfile -l "$DEST.tmp"/llama_cpp_python-*.whl)"
+grep -q 'libggml-cpu-haswell.so' <<<"$listing" || {
+  echo "!! the wheel has no per-CPU backends; GGML_CPU_ALL_VARIANTS did not take" >&2; exit 1; }
+if grep -q 'libggml-cpu-sapphirerapids' <<<"$listing"; then
+  echo "!! the wheel still carries the AMX backend" >&2; exit 1
+fi
+rm -rf "$DEST" "$WORK" && mv "$DEST.tmp" "$DEST"
 echo ">> built in $(( $(date +%s) - start ))s" >&2
 ls "$DEST"/llama_cpp_python-*.whl

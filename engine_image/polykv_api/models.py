@@ -199,10 +199,67 @@ class Timings(BaseModel):
     cache_n: int = Field(description="prompt tokens reused from the KV cache, not recomputed")
 
 
+Reason = Literal[
+    # request shape
+    "invalid_request",
+    "invalid_json",
+    "unknown_fields",
+    "unsupported_media_type",
+    "body_too_large",
+    "route_not_found",
+    "method_not_allowed",
+    "token_invalid",
+    "template_error",
+    "prompt_too_long",
+    "not_supported",
+    # keys
+    "unauthorized",
+    "forbidden",
+    # pools and sessions
+    "pool_not_found",
+    "name_invalid",
+    "name_conflict",
+    "prefix_empty",
+    "prefix_mismatch",
+    "no_common_prefix",
+    "branch_pos_invalid",
+    "prefix_too_long",
+    "seq_ids_exhausted",
+    "has_children",
+    "pool_pinned",
+    "pool_in_use",
+    "pool_materializing",
+    "pool_released",
+    "parent_failed",
+    "pools_disabled",
+    "session_not_found",
+    "session_empty",
+    "session_busy",
+    "slot_not_found",
+    "slot_busy",
+    # admission and load
+    "tps_floor",
+    "kv_headroom",
+    "context_headroom",
+    "settling",
+    "kv_full",
+    "queue_full",
+    "loading",
+    "shutting_down",
+    # the engine's own fault
+    "decode_failed",
+    "internal",
+]
+"""Stable machine-readable refusal codes: programs match these, never ``message`` text."""
+
+REASONS: tuple[str, ...] = Reason.__args__  # type: ignore[attr-defined]
+
+
 class ErrorDetail(BaseModel):
-    code: int
-    message: str
-    type: str
+    code: int = Field(description="the HTTP status")
+    message: str = Field(description="for people; wording may change between versions")
+    type: str = Field(description="llama-server / OpenAI error class, e.g. conflict_error")
+    reason: Reason = Field(description="stable code for programs: match this, not the message")
 
 
 class ErrorBody(BaseModel):
@@ -314,11 +371,18 @@ class PoolSession(BaseModel):
     state: Literal["idle", "prefill", "decoding"]
 
 
+AdmissionReason = Literal[
+    "ok", "guaranteed", "settling", "tps_floor", "kv_headroom", "context_headroom"
+]
+"""``Capacity.reason_code``: why one more session may or may not join (``ok`` admits)."""
+
+
 class CapacitySummary(BaseModel):
     """The admission verdict in brief, so one pool listing carries it for every pool."""
 
     can_admit: bool
     reason: str
+    reason_code: AdmissionReason = "ok"
     headroom_sessions: int
     settling: bool
     compaction_pressure: float
@@ -345,6 +409,12 @@ class PoolStatus(BaseModel):
     children: list[int]
     sessions: list[PoolSession]
     seq_id: int | None
+    n_active: int = Field(0, description="attached sessions decoding with a measured rate")
+    n_warming: int = Field(0, description="attached sessions decoding, rate not measured yet")
+    active_tps_sum: float = Field(0.0, description="Σ tps_ewma of the n_active sessions")
+    mean_active_tps: float = Field(
+        0.0, description="active_tps_sum / n_active (0 when none): combine replicas by the sums"
+    )
     admission: AdmissionPolicy | None = None
     capacity: CapacitySummary | None = Field(
         None, description="admission verdict for one more session (no expected_tokens)"
@@ -369,6 +439,10 @@ class PoolList(BaseModel):
     kv_cells_measured: int | None = Field(
         None, description="llama.cpp's own used-cell count (engine started with --polykv-kv-debug)"
     )
+    n_active: int = Field(0, description="sessions decoding with a measured rate, engine-wide")
+    n_warming: int = Field(0, description="sessions decoding, rate not measured yet")
+    active_tps_sum: float = Field(0.0, description="Σ tps_ewma of the n_active sessions")
+    mean_active_tps: float = Field(0.0, description="active_tps_sum / n_active (0 when none)")
 
 
 class PoolCreated(BaseModel):
@@ -402,6 +476,7 @@ class Capacity(BaseModel):
 
     can_admit: bool
     reason: str
+    reason_code: AdmissionReason = "ok"
     projected_mean_tps_if_admitted: float | None
     projected_mean_tps_model: float | None
     projected_mean_tps_measured: float | None
