@@ -121,7 +121,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def run_operator(
     k8s_cluster: ControlPlane, namespace: str, tmp_path: Path
 ) -> Callable[..., contextlib.AbstractContextManager[Any]]:
-    """`with run_operator("polykv_operator.handlers") as runner:` runs kopf in this process
+    """`with run_operator("polykv_operator.main") as runner:` runs kopf in this process
     (a KopfRunner) watching the test's namespace; `in_process=False` gives an
     OperatorProcess instead (kill() it to test crash recovery)."""
 

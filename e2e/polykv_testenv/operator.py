@@ -17,7 +17,7 @@ from .procs import ManagedProcess
 
 
 def kopf_args(target: str | Path, namespace: str | None, extra: Sequence[str] = ()) -> list[str]:
-    """`kopf run` arguments. `target` is a module name (`polykv_operator.handlers`) or a
+    """`kopf run` arguments. `target` is a module name (`polykv_operator.main`) or a
     path to a .py file. --standalone: no peering objects, so no peering CRD is needed."""
     args = ["run", "--standalone", "--verbose"]
     args += ["--namespace", namespace] if namespace else ["--all-namespaces"]

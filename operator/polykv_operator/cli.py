@@ -14,7 +14,7 @@ import sys
 
 def argv(args: list[str]) -> list[str]:
     extra = [] if "--standalone" in args or "--peering" in args else ["--standalone"]
-    return ["kopf", "run", *extra, *args, "-m", "polykv_operator.handlers"]
+    return ["kopf", "run", *extra, *args, "-m", "polykv_operator.main"]
 
 
 def main() -> None:

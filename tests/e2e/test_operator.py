@@ -113,7 +113,7 @@ class Operator:
             **extra,
         }
         log = self.logs / f"operator-{len(self.runs)}.log"
-        proc = OperatorProcess(self.cluster, "polykv_operator.handlers", self.namespace, log, env)
+        proc = OperatorProcess(self.cluster, "polykv_operator.main", self.namespace, log, env)
         proc.start()
         self.runs.append(proc)
         return self

@@ -1,6 +1,6 @@
 """Pod facts, the metrics collector, the CLI wrapper and the settings.
 
-Nothing here imports polykv_operator.handlers: importing it registers the handlers in kopf's
+Nothing here imports polykv_operator.main: importing it registers the handlers in kopf's
 process-wide registry, which an in-process kopf runner in the same test session would pick up.
 """
 
@@ -93,7 +93,7 @@ def test_cli_runs_kopf_with_the_handlers() -> None:
         "--standalone",
         "--all-namespaces",
         "-m",
-        "polykv_operator.handlers",
+        "polykv_operator.main",
     ]
     assert "--standalone" not in cli.argv(["--peering", "x"])
 
@@ -123,7 +123,7 @@ def test_handler_ids_are_stable() -> None:
     import sys
 
     code = (
-        "import json, kopf, polykv_operator.handlers\n"
+        "import json, kopf, polykv_operator.main\n"
         "reg = kopf.get_default_registry()\n"
         "ids = set()\n"
         "for r in (reg._changing, reg._spawning, reg._watching, reg._indexing):\n"

@@ -1,9 +1,9 @@
 """kopf entry points: parse what kopf hands over, call the pure modules, write the result.
 
-Run it with `kopf run -m polykv_operator.handlers` (or `polykv-operator`). Who writes what:
+Run it with `kopf run -m polykv_operator.main` (or `polykv-operator`). Who writes what:
 
 - PolyKVEngine: create/update/resume apply its Secret, Deployment and Service; its timer
-  runs one round (sync.Round: poll each replica once, materialize, push policies, gates)
+  runs one round (engine_round.Round: poll each replica once, materialize, push policies, gates)
   and is the only writer of the engine's status.
 - PolyKVPool: create/resume link it to its parent (ownerReference); its timer is the only
   writer of its status while it lives; the delete handler (finalizer) releases it on every
@@ -43,8 +43,8 @@ from .gates import GateWant, must_drop
 from .kube import Kube
 from .pods import replica_ref
 from .policies import PolicyNode, select
-from .release import release_everywhere
-from .sync import EngineView, Round
+from .pool_release import release_everywhere
+from .engine_round import EngineView, Round
 from .tree import PoolNode, children_of
 
 log = logging.getLogger("polykv.operator")
@@ -292,7 +292,7 @@ async def engine_round(
     pods_idx: kopf.Index[tuple[str, str], ReplicaRef],
     **_: Any,
 ) -> None:
-    """Poll, converge, gate (sync.Round); then the engine's status if it changed."""
+    """Poll, converge, gate (engine_round.Round); then the engine's status if it changed."""
     parsed = PolyKVEngineSpec.model_validate(dict(spec))
     state = _engine_state(namespace, name, uid)
     view = EngineView(

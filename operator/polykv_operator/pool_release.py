@@ -17,7 +17,7 @@ from .engine_client import EngineClient, EngineRejected, EngineUnreachable
 from .faults import crash_point
 from .fleet import EngineState, ReplicaRef
 
-log = logging.getLogger("polykv.operator.release")
+log = logging.getLogger("polykv.operator.pool_release")
 
 
 @dataclass

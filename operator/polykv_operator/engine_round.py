@@ -2,7 +2,8 @@
 tree (parents first), push admission policies, then set each pod's readiness gate.
 
 The round is the only code that creates pools on engines or sets their policies; the pool
-delete handler (release.py) is the only code that releases them. Both hold the engine's lock.
+delete handler (pool_release.py) is the only code that releases them. Both hold the
+engine's lock.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .fleet import (
 from .policies import PolicyNode, engine_policy, same_policy, select
 from .tree import PoolNode, Problem, by_name, check, parents_first, request_body
 
-log = logging.getLogger("polykv.operator.sync")
+log = logging.getLogger("polykv.operator.engine_round")
 
 GateWriter = Callable[[str, gates.GateWant], Awaitable[None]]  # (pod name, wanted)
 

@@ -11,7 +11,7 @@ import pytest
 from polykv_operator.fleet import EngineState, Render, RenderFailure, ReplicaRef
 from polykv_operator.gates import GateWant
 from polykv_operator.policies import PolicyNode
-from polykv_operator.sync import EngineView, Round
+from polykv_operator.engine_round import EngineView, Round
 from polykv_operator.tree import PoolNode
 
 from .builders import NS, engine_spec, pod, policy, pool
@@ -227,7 +227,7 @@ def test_a_steady_round_is_one_listing_per_replica_and_it_carries_capacity() -> 
 )
 def test_engine_refusals_get_reasons(status: int, etype: str, message: str, reason: str) -> None:
     from polykv_operator.engine_client import EngineRejected
-    from polykv_operator.sync import rejected_reason
+    from polykv_operator.engine_round import rejected_reason
 
     failure = rejected_reason(EngineRejected(status, message, etype), "pod-a", "x")
     assert failure.reason == reason and message in failure.message

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 
 from polykv_operator.fleet import EngineState
-from polykv_operator.release import release_everywhere
+from polykv_operator.pool_release import release_everywhere
 
 from .builders import NS, pod
 from .fake_engine import FakeEngine, FakeFleet, FakePool
