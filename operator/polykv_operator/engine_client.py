@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from polykv_api.models import AdmissionPolicy, PoolCreated, PoolList, PoolStatus
+from polykv_api import models as wire
 
 from . import metrics
 
@@ -63,18 +63,19 @@ class EngineClient:
         method: str,
         path: str,
         model: type[M],
-        body: dict[str, Any] | None = None,
+        body: BaseModel | None = None,
         timeout: httpx.Timeout = LIST_TIMEOUT,
         op: str = "other",
     ) -> M:
         t0 = time.monotonic()
         result = "error"
+        payload = None if body is None else body.model_dump(mode="json", exclude_none=True)
         try:
             try:
                 resp = await self.http.request(
                     method,
                     self.base_url + path,
-                    json=body,
+                    json=payload,
                     headers=self.headers,
                     timeout=timeout,
                 )
@@ -95,13 +96,16 @@ class EngineClient:
         finally:
             metrics.ENGINE_CALLS.labels(op=op, result=result).observe(time.monotonic() - t0)
 
-    async def list_pools(self) -> PoolList:
-        return await self._call("GET", "/polykv/pools", PoolList, op="list")
+    async def list_pools(self) -> wire.PoolList:
+        return await self._call("GET", "/polykv/pools", wire.PoolList, op="list")
 
-    async def create(self, parent: str | None, body: dict[str, Any]) -> PoolCreated:
+    async def create(
+        self, parent: str | None, req: wire.PoolCreateRequest | wire.PoolForkRequest
+    ) -> wire.PoolCreated:
+        """POST /polykv/pools for a root (`parent` None), else the fork route of `parent`."""
         path = "/polykv/pools" if parent is None else f"/polykv/pools/{parent}/fork"
-        op = "dry_run" if body.get("dry_run") else "create"
-        return await self._call("POST", path, PoolCreated, body, CREATE_TIMEOUT, op=op)
+        op = "dry_run" if req.dry_run else "create"
+        return await self._call("POST", path, wire.PoolCreated, req, CREATE_TIMEOUT, op=op)
 
     async def release(self, ref: str) -> bool:
         """True when released now, False when the replica has no such pool."""
@@ -113,15 +117,14 @@ class EngineClient:
             raise
         return True
 
-    async def set_admission(self, ref: str, policy: AdmissionPolicy) -> PoolStatus:
-        body = policy.model_dump(mode="json")
+    async def set_admission(self, ref: str, policy: wire.AdmissionPolicy) -> wire.PoolStatus:
         return await self._call(
-            "POST", f"/polykv/pools/{ref}/admission", PoolStatus, body, op="admission"
+            "POST", f"/polykv/pools/{ref}/admission", wire.PoolStatus, policy, op="admission"
         )
 
-    async def clear_admission(self, ref: str) -> PoolStatus:
+    async def clear_admission(self, ref: str) -> wire.PoolStatus:
         return await self._call(
-            "DELETE", f"/polykv/pools/{ref}/admission", PoolStatus, op="admission"
+            "DELETE", f"/polykv/pools/{ref}/admission", wire.PoolStatus, op="admission"
         )
 
 

@@ -1,9 +1,10 @@
-"""One round for one engine fleet: poll every replica once, bring each one to the declared
-tree (parents first), push admission policies, then set each pod's readiness gate.
+"""The engine timer's use case: one round for one engine fleet. Poll every replica once,
+bring each one to the declared tree (parents first), push admission policies, set each
+pod's readiness gate, then compute the engine's status.
 
 The round is the only code that creates pools on engines or sets their policies; the pool
-delete handler (pool_release.py) is the only code that releases them. Both hold the
-engine's lock.
+finalizer (pool_release.py) is the only code that releases them. Both hold the engine's
+lock. A pod event between rounds may only drop a gate (`drop_stale_gate`), never raise one.
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import httpx
 
-from polykv_api.models import AdmissionPolicy as EnginePolicy
+from polykv_api import models as wire
 
-from . import gates, metrics
+from . import gates, manifests, metrics
+from . import status as stat
 from .api import PolyKVEngineSpec
 from .engine_client import EngineClient, EngineRejected, EngineUnreachable
 from .faults import crash_point
@@ -32,7 +35,7 @@ from .fleet import (
     Synced,
 )
 from .policies import PolicyNode, engine_policy, same_policy, select
-from .tree import PoolNode, Problem, by_name, check, parents_first, request_body
+from .tree import PoolNode, PoolRequest, Problem, by_name, check, parents_first, request_body
 
 log = logging.getLogger("polykv.operator.engine_round")
 
@@ -40,7 +43,7 @@ GateWriter = Callable[[str, gates.GateWant], Awaitable[None]]  # (pod name, want
 
 
 @dataclass(frozen=True)
-class EngineView:
+class ClusterView:
     """Everything a round needs from the cluster, taken from the operator's indexes."""
 
     namespace: str
@@ -58,12 +61,12 @@ class Desired:
 
     node: PoolNode
     parent: str | None
-    body: dict[str, object]
+    request: PoolRequest
     render: Render
 
 
 def client_for(
-    http: httpx.AsyncClient, view: EngineView, state: EngineState, pod: ReplicaRef
+    http: httpx.AsyncClient, view: ClusterView, state: EngineState, pod: ReplicaRef
 ) -> EngineClient:
     return EngineClient(http, f"http://{pod.ip}:{view.spec.port}", state.admin_key)
 
@@ -105,7 +108,7 @@ class Round:
 
     def __init__(
         self,
-        view: EngineView,
+        view: ClusterView,
         state: EngineState,
         http: httpx.AsyncClient,
         write_gate: GateWriter,
@@ -229,7 +232,7 @@ class Round:
         if node.uid in self.state.deleting:
             return
         try:
-            res = await self.clients[obs.pod].create(want.parent, dict(want.body))
+            res = await self.clients[obs.pod].create(want.parent, want.request)
         except EngineUnreachable as exc:
             obs.reachable, obs.error = False, str(exc)
             errors[obs.pod] = CreateError(f"no answer: {exc}")
@@ -279,7 +282,9 @@ class Round:
                 jobs.append(self._set_policy(obs, name, target))
         await asyncio.gather(*jobs)
 
-    async def _set_policy(self, obs: Observation, name: str, target: EnginePolicy | None) -> None:
+    async def _set_policy(
+        self, obs: Observation, name: str, target: wire.AdmissionPolicy | None
+    ) -> None:
         client = self.clients[obs.pod]
         try:
             if target is None:
@@ -358,3 +363,47 @@ class Round:
         pod = replace(pod, gate="True" if want.status else "False")
         self.pods[pod.name] = pod
         self.state.pods[pod.name] = pod
+
+
+# -- the use cases ------------------------------------------------------------------------
+
+
+async def run_round(
+    view: ClusterView,
+    state: EngineState,
+    http: httpx.AsyncClient,
+    write_gate: GateWriter,
+    generation: int,
+    status: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """One round, then the engine's status: the merge patch for it ({} when unchanged)."""
+    try:
+        await Round(view, state, http, write_gate).run()
+        metrics.ROUNDS.labels("ok").inc()
+    except Exception:
+        metrics.ROUNDS.labels("error").inc()
+        raise
+    new = stat.engine_status(
+        view.spec,
+        view.name,
+        generation,
+        state,
+        [n for n in view.pools if n.engine == view.name],
+        stat.previous_conditions(status),
+        manifests.selector_string(view.name),
+    )
+    return stat.patch_for(status, new)
+
+
+async def drop_stale_gate(
+    state: EngineState, pod: ReplicaRef, write_gate: GateWriter
+) -> gates.GateWant | None:
+    """On a pod event: an engine that stopped or restarted has lost its KV, so its gate
+    drops now rather than at the next round (which raises it again once the tree is back)."""
+    want = gates.must_drop(pod, state.synced.get(pod.uid))
+    if want is None:
+        return None
+    state.synced.pop(pod.uid, None)
+    await write_gate(pod.name, want)
+    log.info("readiness gate dropped ns=%s pod=%s reason=%s", state.key[0], pod.name, want.reason)
+    return want

@@ -1,17 +1,21 @@
 """What the operator knows about each engine fleet between rounds (in memory only).
 
-Written by the engine round (engine_round.py) and read by the status computations. Everything here
-can be rebuilt from the cluster and the engines: after an operator restart the first round
-polls every replica again and re-validates every pool (dry runs create nothing).
+Written by the engine round (engine_round.py) and read by the status computations. Everything
+here can be rebuilt from the cluster and the engines: after an operator restart the first
+round polls every replica again and re-validates every pool (dry runs create nothing).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from polykv_api.models import PoolList, PoolStatus
+from polykv_api import models as wire
+
+from .names import CONTAINER, GATE
 
 EngineKey = tuple[str, str]  # (namespace, engine name)
 
@@ -33,6 +37,29 @@ class ReplicaRef:
     waiting_reason: str | None = None  # e.g. CrashLoopBackOff, RunContainerError
     waiting_message: str | None = None
 
+    @classmethod
+    def from_pod(cls, body: Mapping[str, Any]) -> ReplicaRef:
+        """The facts the rounds and the gates use, read from a Pod object."""
+        meta = body.get("metadata") or {}
+        st = body.get("status") or {}
+        containers = {c.get("name"): c for c in st.get("containerStatuses") or []}
+        c = containers.get(CONTAINER) or {}
+        state = c.get("state") or {}
+        waiting = state.get("waiting") or {}
+        conditions = st.get("conditions") or []
+        return cls(
+            name=str(meta.get("name", "")),
+            uid=str(meta.get("uid", "")),
+            ip=st.get("podIP") or None,
+            running="running" in state,
+            ready=bool(c.get("ready")),
+            gate=next((x.get("status") for x in conditions if x.get("type") == GATE), None),
+            terminating=bool(meta.get("deletionTimestamp")),
+            restarts=int(c.get("restartCount") or 0),
+            waiting_reason=waiting.get("reason"),
+            waiting_message=waiting.get("message"),
+        )
+
 
 @dataclass
 class Observation:
@@ -44,10 +71,10 @@ class Observation:
     ip: str | None
     reachable: bool
     error: str | None = None
-    listing: PoolList | None = None
+    listing: wire.PoolList | None = None
     at: float = field(default_factory=time.time)
 
-    def pool(self, name: str) -> PoolStatus | None:
+    def pool(self, name: str) -> wire.PoolStatus | None:
         if self.listing is None:
             return None
         for p in self.listing.pools:
@@ -113,6 +140,12 @@ class EngineState:
     mean_active_tps: float | None = None
     # Serializes engine mutations: a round's creates against a delete handler's releases.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def forget_pool(self, uid: str) -> None:
+        """A pool released everywhere: nothing about it is worth keeping."""
+        self.renders.pop(uid, None)
+        self.create_errors.pop(uid, None)
+        self.deleting.discard(uid)
 
 
 class Fleet:

@@ -1,4 +1,4 @@
-"""The pod readiness gate `polykv.io/pools-ready`, decided as a pure function.
+"""The pod readiness gate (names.GATE), decided as a pure function.
 
 A replica joins the Service only once its whole declared tree (and its admission policies)
 is on it. A replica whose engine process restarted has lost its pools: its gate drops
@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .fleet import Observation, ReplicaRef, Synced
-
-GATE = "polykv.io/pools-ready"
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 
 from .conditions import now_rfc3339
-from .gates import GATE, GateWant
+from .gates import GateWant
+from .names import GATE
 
 log = logging.getLogger("polykv.operator.kube")
 

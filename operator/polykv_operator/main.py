@@ -1,16 +1,19 @@
-"""kopf entry points: parse what kopf hands over, call the pure modules, write the result.
+"""kopf entry points, and nothing else: each handler turns what kopf hands over into the
+operator's own types (a guard refuses what does not parse), makes one call into the module
+that owns the use case, and writes the result back through kopf.
 
 Run it with `kopf run -m polykv_operator.main` (or `polykv-operator`). Who writes what:
 
 - PolyKVEngine: create/update/resume apply its Secret, Deployment and Service; its timer
-  runs one round (engine_round.Round: poll each replica once, materialize, push policies, gates)
-  and is the only writer of the engine's status.
-- PolyKVPool: create/resume link it to its parent (ownerReference); its timer is the only
-  writer of its status while it lives; the delete handler (finalizer) releases it on every
-  replica, children first, and writes its status while it goes.
+  runs one round (engine_round.run_round: poll each replica once, materialize, push
+  policies, gates) and is the only writer of the engine's status.
+- PolyKVPool: create/resume link it to its parent (tree.parent_owner_reference); its timer
+  is the only writer of its status while it lives; the delete handler (finalizer,
+  pool_release.finalize_pool) releases it on every replica, children first, and writes its
+  status while it goes.
 - AdmissionPolicy: its timer writes its status; the engine rounds push it to the engines.
 - Pods of an engine: an event handler drops the readiness gate the moment an engine stops
-  or restarts; the engine round raises it again.
+  or restarts (engine_round.drop_stale_gate); the engine round raises it again.
 """
 
 from __future__ import annotations
@@ -36,26 +39,23 @@ from .api import (
     PolyKVEngineSpec,
     PolyKVPoolSpec,
 )
-from .conditions import Verdict, conditions_for
 from .config import Config
+from .engine_round import ClusterView, GateWriter, drop_stale_gate, run_round
 from .fleet import EngineState, Fleet, ReplicaRef
-from .gates import GateWant, must_drop
+from .gates import GateWant
 from .kube import Kube
-from .pods import replica_ref
+from .names import ENGINE_LABEL, FINALIZER, PREFIX
 from .policies import PolicyNode, select
-from .pool_release import release_everywhere
-from .engine_round import EngineView, Round
-from .tree import PoolNode, children_of
+from .pool_release import Holder, finalize_pool
+from .tree import PoolNode, parent_owner_reference
 
 log = logging.getLogger("polykv.operator")
 
 CONFIG = Config.from_env()
 FLEET = Fleet()
-PREFIX = "kopf.polykv.io"
-FINALIZER = "polykv.io/finalizer"
 
 
-class Runtime:
+class Clients:
     """The clients: one for the engines, one for our own API writes (kopf's credentials)."""
 
     def __init__(self) -> None:
@@ -75,8 +75,16 @@ class Runtime:
             self.kube = Kube.from_connection(self.connection)
         return self.kube
 
+    def gate_writer(self, namespace: str) -> GateWriter:
+        kube = self.kube_client()
 
-RT = Runtime()
+        async def write(pod: str, want: GateWant) -> None:
+            await kube.set_gate(namespace, pod, want)
+
+        return write
+
+
+CLIENTS = Clients()
 
 
 # ------------------------------------------------------------------------ operator setup
@@ -128,17 +136,17 @@ class _QuietTimers(logging.Filter):
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     # The same credentials for kopf and for our own writes (kube.py).
     info = kopf.login_via_client(**kwargs)
-    RT.connection = info
-    RT.kube = None
+    CLIENTS.connection = info
+    CLIENTS.kube = None
     return info
 
 
 @kopf.on.cleanup()
 async def close(**_: Any) -> None:
-    if RT.http is not None:
-        await RT.http.aclose()
-    if RT.kube is not None:
-        await RT.kube.close()
+    if CLIENTS.http is not None:
+        await CLIENTS.http.aclose()
+    if CLIENTS.kube is not None:
+        await CLIENTS.kube.close()
 
 
 def _counted(kind: str, handler: str) -> Callable[[Callable[..., Awaitable[Any]]], Any]:
@@ -224,11 +232,11 @@ def policies_idx(
     return {ns: PolicyNode(ns, name, uid, parsed, int(meta.get("generation") or 1))}
 
 
-@kopf.index("pods", labels={manifests.ENGINE_LABEL: kopf.PRESENT})
+@kopf.index("pods", labels={ENGINE_LABEL: kopf.PRESENT})
 def pods_idx(
-    namespace: str | None, name: str, uid: str, body: kopf.Body, labels: kopf.Labels, **_: Any
+    namespace: str | None, body: kopf.Body, labels: kopf.Labels, **_: Any
 ) -> dict[tuple[str, str], ReplicaRef]:
-    return {(str(namespace), labels[manifests.ENGINE_LABEL]): replica_ref(name, uid, body)}
+    return {(str(namespace), labels[ENGINE_LABEL]): ReplicaRef.from_pod(body)}
 
 
 def _ns(index: kopf.Index[Any, Any], key: Any) -> list[Any]:
@@ -264,7 +272,7 @@ async def apply_engine(
         manifests.service(name, parsed),
     ]
     kopf.adopt(objs, owner=body)
-    kube = RT.kube_client()
+    kube = CLIENTS.kube_client()
     for obj in objs:
         # Secrets are merge-patched: the operator may not read them, only write them.
         what = await kube.apply(namespace, obj, strategic=obj["kind"] != "Secret")
@@ -292,10 +300,9 @@ async def engine_round(
     pods_idx: kopf.Index[tuple[str, str], ReplicaRef],
     **_: Any,
 ) -> None:
-    """Poll, converge, gate (engine_round.Round); then the engine's status if it changed."""
+    """One round (engine_round.run_round); then the engine's status if it changed."""
     parsed = PolyKVEngineSpec.model_validate(dict(spec))
-    state = _engine_state(namespace, name, uid)
-    view = EngineView(
+    view = ClusterView(
         namespace=namespace,
         name=name,
         spec=parsed,
@@ -304,27 +311,12 @@ async def engine_round(
         policies=_ns(policies_idx, namespace),
         engines=[e.name for e in _ns(engines_idx, namespace)],
     )
-    kube = RT.kube_client()
-
-    async def write_gate(pod: str, want: GateWant) -> None:
-        await kube.set_gate(namespace, pod, want)
-
-    try:
-        await Round(view, state, RT.engine_http(), write_gate).run()
-        metrics.ROUNDS.labels("ok").inc()
-    except Exception:
-        metrics.ROUNDS.labels("error").inc()
-        raise
-    new = stat.engine_status(
-        parsed,
-        name,
-        int(meta.get("generation") or 1),
-        state,
-        [n for n in view.pools if n.engine == name],
-        stat.previous_conditions(status),
-        manifests.selector_string(name),
+    state = _engine_state(namespace, name, uid)
+    gates = CLIENTS.gate_writer(namespace)
+    generation = int(meta.get("generation") or 1)
+    patch.status.update(
+        await run_round(view, state, CLIENTS.engine_http(), gates, generation, status)
     )
-    patch.status.update(stat.patch_for(status, new))
 
 
 # --------------------------------------------------------------------------------- pools
@@ -378,19 +370,8 @@ async def link_parent(
         # The status says ParentNotFound meanwhile; a parent applied later is picked up.
         raise kopf.TemporaryError(f'parent "{parent}" does not exist yet', delay=3)
     refs = list(body.meta.get("ownerReferences") or [])
-    if any(r.get("uid") == found.uid for r in refs):
-        return
-    refs.append(
-        {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": POOL.kind,
-            "name": found.name,
-            "uid": found.uid,
-            "controller": False,
-            "blockOwnerDeletion": True,
-        }
-    )
-    patch.metadata["ownerReferences"] = refs
+    if not any(r.get("uid") == found.uid for r in refs):
+        patch.metadata["ownerReferences"] = [*refs, parent_owner_reference(found)]
 
 
 @kopf.timer(GROUP, VERSION, POOL.plural, interval=CONFIG.poll_interval_s)
@@ -426,54 +407,27 @@ async def release_pool(
     pods_idx: kopf.Index[tuple[str, str], ReplicaRef],
     **_: Any,
 ) -> None:
-    """Children first (deleted by us, whatever the propagation policy), then this pool on
-    every replica. An unreachable replica keeps the finalizer."""
-    pools = _ns(pools_idx, namespace)
-    children = children_of(name, pools)
-    if children:
-        kube = RT.kube_client()
-        for child in children:
-            if not child.deleting:
-                await kube.delete_pool(namespace, child.name)
-        names = ", ".join(c.name for c in children)
-        _deleting_status(status, patch, "DeletingChildren", f"child pools go first: {names}")
-        raise kopf.TemporaryError(f"waiting for child pools to be deleted: {names}", delay=1)
+    """Children first, then this pool on every replica (pool_release.finalize_pool). An
+    unreachable replica keeps the finalizer."""
     engine = str((spec.get("engineRef") or {}).get("name", ""))
     entry = next((e for e in _ns(engines_idx, namespace) if e.name == engine), None)
-    if entry is None:
-        return  # no engine, no replicas: nothing holds the pool
-    state = _engine_state(namespace, engine, entry.uid)
-    state.deleting.add(uid)
-    pods = _ns(pods_idx, (namespace, engine))
-    out = await release_everywhere(state, pods, RT.engine_http(), entry.spec.port, name)
-    if out.done:
-        state.renders.pop(uid, None)
-        state.create_errors.pop(uid, None)
-        state.deleting.discard(uid)
-        return
-    if out.unreachable:
-        pod, err = sorted(out.unreachable.items())[0]
-        reason = "EngineUnreachable"
-        msg = (
-            f"replica {pod} does not answer ({err}); the pool stays (and this finalizer) "
-            "until it can be released there"
-        )
-    else:
-        pod, err = sorted(out.blocked.items())[0]
-        reason = "ReleaseRefused"
-        msg = f"replica {pod} refused to release it: {err}"
-    _deleting_status(status, patch, reason, msg, unknown=bool(out.unreachable))
-    raise kopf.TemporaryError(msg, delay=3)
-
-
-def _deleting_status(
-    status: kopf.Status, patch: kopf.Patch, reason: str, message: str, unknown: bool = False
-) -> None:
-    verdict = Verdict.unknown(reason, message) if unknown else Verdict.reconciling(reason, message)
-    conds = conditions_for(verdict, stat.previous_conditions(status), None)
-    wire = [c.wire() for c in conds]
-    if status.get("conditions") != wire:
-        patch.status["conditions"] = wire
+    holder = None
+    if entry is not None:
+        state = _engine_state(namespace, engine, entry.uid)
+        holder = Holder(state, _ns(pods_idx, (namespace, engine)), entry.spec.port)
+    waiting = await finalize_pool(
+        namespace,
+        name,
+        uid,
+        _ns(pools_idx, namespace),
+        holder,
+        CLIENTS.engine_http(),
+        CLIENTS.kube_client(),
+        status,
+    )
+    if waiting is not None:
+        patch.status.update(waiting.status_patch)
+        raise kopf.TemporaryError(waiting.message, delay=waiting.delay)
 
 
 # ---------------------------------------------------------------------------- policies
@@ -505,19 +459,13 @@ async def policy_status(
 # -------------------------------------------------------------------------------- pods
 
 
-@kopf.on.event("pods", labels={manifests.ENGINE_LABEL: kopf.PRESENT})
+@kopf.on.event("pods", labels={ENGINE_LABEL: kopf.PRESENT})
 async def engine_pod_event(
-    name: str, namespace: str | None, uid: str, body: kopf.Body, labels: kopf.Labels, **_: Any
+    namespace: str | None, body: kopf.Body, labels: kopf.Labels, **_: Any
 ) -> None:
     """Drops the readiness gate as soon as an engine stops or restarts: its KV is gone, and
     the Service must not route to it until the next round re-materializes the tree."""
-    state = FLEET.peek(str(namespace), labels.get(manifests.ENGINE_LABEL, ""))
+    state = FLEET.peek(str(namespace), labels.get(ENGINE_LABEL, ""))
     if state is None or namespace is None:
         return
-    pod = replica_ref(name, uid, body)
-    want = must_drop(pod, state.synced.get(uid))
-    if want is None:
-        return
-    state.synced.pop(uid, None)
-    await RT.kube_client().set_gate(namespace, name, want)
-    log.info("readiness gate dropped ns=%s pod=%s reason=%s", namespace, name, want.reason)
+    await drop_stale_gate(state, ReplicaRef.from_pod(body), CLIENTS.gate_writer(namespace))

@@ -13,13 +13,11 @@ import posixpath
 from typing import Any
 
 from .api import PolyKVEngineSpec
-from .gates import GATE
+from .names import CONTAINER, ENGINE_LABEL, GATE
 
-ENGINE_LABEL = "polykv.io/engine"
 ADMIN_KEY_ENV = "POLYKV_ADMIN_KEY"
 API_KEY_ENV = "LLAMA_API_KEY"  # the engine reads both keys from its environment
 ADMIN_SECRET_KEY = "admin-key"
-CONTAINER = "engine"
 RUN_AS = 65532  # the conventional "nonroot" uid
 
 Obj = dict[str, Any]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from polykv_api.models import AdmissionPolicy as EnginePolicy
+from polykv_api import models as wire
 
 from .api import AdmissionPolicySpec, LabelSelector
 
@@ -78,9 +78,9 @@ def select(policies: Iterable[PolicyNode], pools: Mapping[str, Mapping[str, str]
     return out
 
 
-def engine_policy(spec: AdmissionPolicySpec) -> EnginePolicy:
+def engine_policy(spec: AdmissionPolicySpec) -> wire.AdmissionPolicy:
     """The body of POST /polykv/pools/{pool}/admission."""
-    return EnginePolicy(
+    return wire.AdmissionPolicy(
         target_tps_per_session=float(spec.target_tps_per_session),
         mode=spec.mode,
         on_saturation=spec.on_saturation,
@@ -91,9 +91,9 @@ def engine_policy(spec: AdmissionPolicySpec) -> EnginePolicy:
     )
 
 
-def same_policy(a: EnginePolicy | None, b: EnginePolicy | None) -> bool:
+def same_policy(a: wire.AdmissionPolicy | None, b: wire.AdmissionPolicy | None) -> bool:
     """Equal on the contract's fields (an engine may echo fields it added)."""
     if a is None or b is None:
         return a is b
-    keys = set(EnginePolicy.model_fields)
+    keys = set(wire.AdmissionPolicy.model_fields)
     return a.model_dump(include=keys) == b.model_dump(include=keys)

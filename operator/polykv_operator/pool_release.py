@@ -1,4 +1,5 @@
-"""Releasing a deleted pool on every replica of its engine (the finalizer's work).
+"""The pool finalizer's use case: children first, then release the pool on every replica
+of its engine, and say in the pool's status what it waits for meanwhile.
 
 A replica that does not answer keeps the pool, and so keeps the finalizer: the pool may
 still be serving sessions there, and forgetting it would leak its KV. A replica that is
@@ -9,13 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
+from . import status as stat
+from .conditions import Verdict, conditions_for
 from .engine_client import EngineClient, EngineRejected, EngineUnreachable
 from .faults import crash_point
 from .fleet import EngineState, ReplicaRef
+from .kube import Kube
+from .tree import PoolNode, children_of
 
 log = logging.getLogger("polykv.operator.pool_release")
 
@@ -32,9 +39,78 @@ class Released:
         return not self.blocked and not self.unreachable
 
 
+@dataclass(frozen=True)
+class Holder:
+    """The engine whose replicas may hold the pool."""
+
+    state: EngineState
+    pods: Sequence[ReplicaRef]
+    port: int
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """The pool cannot go yet: `message` for the retry, `status_patch` for its status."""
+
+    message: str
+    delay: float
+    status_patch: dict[str, Any]
+
+
+async def finalize_pool(
+    namespace: str,
+    name: str,
+    uid: str,
+    pools: Sequence[PoolNode],
+    holder: Holder | None,
+    http: httpx.AsyncClient,
+    kube: Kube,
+    status: Mapping[str, Any] | None,
+) -> Waiting | None:
+    """Children first (deleted here, whatever the propagation policy), then this pool on
+    every replica of `holder`. None: released everywhere, the finalizer may go."""
+    children = children_of(name, pools)
+    if children:
+        for child in children:
+            if not child.deleting:
+                await kube.delete_pool(namespace, child.name)
+        names = ", ".join(c.name for c in children)
+        verdict = Verdict.reconciling("DeletingChildren", f"child pools go first: {names}")
+        return Waiting(
+            f"waiting for child pools to be deleted: {names}", 1, _conditions(status, verdict)
+        )
+    if holder is None:
+        return None  # no engine, no replicas: nothing holds the pool
+    state = holder.state
+    state.deleting.add(uid)
+    out = await release_everywhere(state, holder.pods, http, holder.port, name)
+    if out.done:
+        state.forget_pool(uid)
+        return None
+    if out.unreachable:
+        pod, err = sorted(out.unreachable.items())[0]
+        verdict = Verdict.unknown(
+            "EngineUnreachable",
+            f"replica {pod} does not answer ({err}); the pool stays (and this finalizer) "
+            "until it can be released there",
+        )
+    else:
+        pod, err = sorted(out.blocked.items())[0]
+        verdict = Verdict.reconciling(
+            "ReleaseRefused", f"replica {pod} refused to release it: {err}"
+        )
+    return Waiting(verdict.message, 3, _conditions(status, verdict))
+
+
+def _conditions(status: Mapping[str, Any] | None, verdict: Verdict) -> dict[str, Any]:
+    """The conditions while the pool is deleting, as a patch ({} when already said)."""
+    conds = [c.wire() for c in conditions_for(verdict, stat.previous_conditions(status), None)]
+    return {} if (status or {}).get("conditions") == conds else {"conditions": conds}
+
+
 async def release_everywhere(
     state: EngineState,
-    pods: list[ReplicaRef],
+    pods: Sequence[ReplicaRef],
     http: httpx.AsyncClient,
     port: int,
     name: str,

@@ -11,16 +11,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from polykv_api.models import CapacitySummary as EngineCapacity
+from polykv_api import models as wire
 
 from .api import (
     AdmissionPolicyStatus,
-    CapacitySummary,
     KubeModel,
     PolicyConflict,
     PolyKVEngineSpec,
     PolyKVEngineStatus,
     PolyKVPoolStatus,
+    PoolCapacity,
     PoolReplica,
     ReplicaStatus,
 )
@@ -165,7 +165,7 @@ def _observed(st: PolyKVPoolStatus, name: str, serving: Sequence[Observation]) -
     tps: list[float] = []
     sessions = own = subtree = 0
     orphaned = False
-    caps: list[EngineCapacity] = []  # from the listing: one summary per replica
+    caps: list[wire.CapacitySummary] = []  # from the listing: one summary per replica
     for obs in serving:
         p = obs.pool(name)
         if p is None or obs.boot_id is None:
@@ -189,7 +189,7 @@ def _observed(st: PolyKVPoolStatus, name: str, serving: Sequence[Observation]) -
     if caps:
         st.compaction_pressure = round(max(c.compaction_pressure for c in caps), 2)
         refusing = [c for c in caps if not c.can_admit]
-        st.capacity = CapacitySummary(
+        st.capacity = PoolCapacity(
             can_admit=not refusing,
             reason=(refusing[0].reason if refusing else caps[0].reason),
             headroom_sessions=sum(c.headroom_sessions for c in caps),

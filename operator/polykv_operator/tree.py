@@ -1,9 +1,9 @@
 """The declared pool tree of one namespace, as pure functions.
 
 Input: the PolyKVPool objects (from the operator's index). Output: for each pool, either a
-problem that says what to fix, or its chain from the root, its path and depth, and the exact
-request body that materializes it on an engine replica. Nothing here talks to an engine or
-to the API server.
+problem that says what to fix, or its chain from the root, its path and depth, the exact
+engine request that materializes it on a replica, and the ownerReference that ties it to
+its parent. Nothing here talks to an engine or to the API server.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from polykv_api.models import PoolCreateRequest, PoolForkRequest
+from polykv_api import models as wire
 
-from .api import PolyKVPoolSpec
+from .api import API_VERSION, POOL, PolyKVPoolSpec
 
 TEXT_SOURCES = ("text", "appendText")
 MESSAGE_SOURCES = ("messages", "appendMessages")
@@ -146,7 +146,10 @@ def _full_messages(found: Sequence[PoolNode]) -> tuple[list[dict[str, Any]], Any
     return messages, tools
 
 
-def request_body(found: Sequence[PoolNode], dry_run: bool = False) -> dict[str, Any]:
+PoolRequest = wire.PoolCreateRequest | wire.PoolForkRequest
+
+
+def request_body(found: Sequence[PoolNode], dry_run: bool = False) -> PoolRequest:
     """The engine request that creates `found[-1]` (POST /polykv/pools for a root, else
     POST /polykv/pools/{parent}/fork): the FULL prefix, the resource name as the pool name
     (so a retried create is a no-op) and branch_pos only when the user gave one."""
@@ -164,13 +167,24 @@ def request_body(found: Sequence[PoolNode], dry_run: bool = False) -> dict[str, 
     else:
         prefix["tokens"] = list(spec.tokens or [])
     common = {"name": node.name, "pin": spec.pin, "dry_run": dry_run, **prefix}
-    # Validate against the wire contract here, so a bad body fails in the operator's tests.
-    req: PoolCreateRequest | PoolForkRequest
+    # Validated against the wire contract here, so a bad body fails in the operator's tests.
     if node.parent is None:
-        req = PoolCreateRequest.model_validate(common)
-    else:
-        req = PoolForkRequest.model_validate({**common, "branch_pos": spec.branch_pos})
-    return req.model_dump(mode="json", exclude_none=True, exclude_defaults=False)
+        return wire.PoolCreateRequest.model_validate(common)
+    return wire.PoolForkRequest.model_validate({**common, "branch_pos": spec.branch_pos})
+
+
+def parent_owner_reference(parent: PoolNode) -> dict[str, Any]:
+    """The ownerReference a child pool carries: the garbage collector removes a tree with
+    its root, and tools that follow ownerReferences show the tree. Not a controller
+    reference: the operator, not the parent, reconciles the child."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": POOL.kind,
+        "name": parent.name,
+        "uid": parent.uid,
+        "controller": False,
+        "blockOwnerDeletion": True,
+    }
 
 
 def parents_first(nodes: Iterable[PoolNode], pools: Mapping[str, PoolNode]) -> list[PoolNode]:

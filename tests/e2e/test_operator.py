@@ -25,6 +25,7 @@ import yaml
 
 from polykv_api.models import PoolStatus
 from polykv_operator.manifests import admin_key
+from polykv_operator.names import GATE
 from polykv_testenv import ApiError, ControlPlane, ProcessNode
 from polykv_testenv.kubeapi import Gone
 from polykv_testenv.operator import OperatorProcess
@@ -37,7 +38,6 @@ pytestmark = pytest.mark.k8s
 ROOT = Path(__file__).resolve().parents[2]
 GROUP_PATH = "/apis/polykv.io/v1alpha1/namespaces/{ns}"
 MASTER = "e2e-master-key"
-GATE = "polykv.io/pools-ready"
 
 SYSTEM = {"role": "system", "content": "You are the research crew. Cite sources, be brief."}
 BRIEF = {"role": "user", "content": "Task briefing: survey shared-prefix KV caching."}

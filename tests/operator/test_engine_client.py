@@ -7,6 +7,7 @@ import asyncio
 import httpx
 import pytest
 
+from polykv_api import models as wire
 from polykv_operator.engine_client import EngineClient, EngineRejected, EngineUnreachable
 
 from .fake_engine import FakeEngine
@@ -28,7 +29,7 @@ def test_typed_round_trip_and_auth_header() -> None:
     c = client(handler)
 
     async def go() -> None:
-        made = await c.create(None, {"name": "root", "prompt": "hello"})
+        made = await c.create(None, wire.PoolCreateRequest(name="root", prompt="hello"))
         assert made.created and made.prefix_len == 5
         listing = await c.list_pools()
         assert [p.name for p in listing.pools] == ["root"]
@@ -42,7 +43,7 @@ def test_typed_round_trip_and_auth_header() -> None:
 def test_4xx_is_rejected_with_the_engines_message() -> None:
     c = client(FakeEngine())
     with pytest.raises(EngineRejected) as info:
-        asyncio.run(c.create("missing", {"name": "x", "prompt": "y"}))
+        asyncio.run(c.create("missing", wire.PoolForkRequest(name="x", prompt="y")))
     assert info.value.status == 404 and "does not exist" in info.value.message
 
 

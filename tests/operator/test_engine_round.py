@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
 
 import httpx
 import pytest
 
+from polykv_operator.engine_round import ClusterView, Round, drop_stale_gate, run_round
 from polykv_operator.fleet import EngineState, Render, RenderFailure, ReplicaRef
 from polykv_operator.gates import GateWant
 from polykv_operator.policies import PolicyNode
-from polykv_operator.engine_round import EngineView, Round
 from polykv_operator.tree import PoolNode
 
 from .builders import NS, engine_spec, pod, policy, pool
@@ -36,7 +38,7 @@ class Harness:
     def run(
         self, pools: Sequence[PoolNode], policies: Sequence[PolicyNode] = (), engines=("eng",)
     ) -> None:
-        view = EngineView(
+        view = ClusterView(
             NS,
             "eng",
             engine_spec(),
@@ -231,3 +233,28 @@ def test_engine_refusals_get_reasons(status: int, etype: str, message: str, reas
 
     failure = rejected_reason(EngineRejected(status, message, etype), "pod-a", "x")
     assert failure.reason == reason and message in failure.message
+
+
+def test_run_round_returns_the_status_patch_and_then_nothing() -> None:
+    h = Harness(1)
+    view = ClusterView(NS, "eng", engine_spec(), list(h.pods.values()), tree(), [], ["eng"])
+
+    def once(status: dict[str, Any] | None) -> dict[str, Any]:
+        return asyncio.run(run_round(view, h.state, h.http, h.write_gate, 3, status))
+
+    first = once(None)
+    assert first["observedGeneration"] == 3 and first["pools"] == 3
+    assert first["selector"] == "polykv.io/engine=eng"
+    assert once(first) == {}  # the status as written, nothing new: no write
+
+
+def test_a_pod_event_drops_a_stale_gate_at_once() -> None:
+    h = Harness(1)
+    h.run(tree())
+    p = h.pods["eng-1"]
+    assert asyncio.run(drop_stale_gate(h.state, p, h.write_gate)) is None  # still serving
+    restarted = replace(p, restarts=1)
+    want = asyncio.run(drop_stale_gate(h.state, restarted, h.write_gate))
+    assert want is not None and want.reason == "EngineRestarted"
+    assert h.gates[-1] == ("eng-1", False, "EngineRestarted")
+    assert p.uid not in h.state.synced

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from polykv_operator import manifests
-from polykv_operator.gates import GATE
+from polykv_operator.names import GATE
 
 from .builders import engine_spec
 

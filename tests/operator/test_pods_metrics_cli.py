@@ -10,8 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from polykv_operator import cli, metrics
 from polykv_operator.config import Config, ConfigError
-from polykv_operator.fleet import Fleet, Observation
-from polykv_operator.pods import replica_ref
+from polykv_operator.fleet import Fleet, Observation, ReplicaRef
 
 from .builders import pod
 from .fake_engine import FakeEngine, FakePool
@@ -19,7 +18,7 @@ from .fake_engine import FakeEngine, FakePool
 
 def test_replica_ref_from_a_pod() -> None:
     body = {
-        "metadata": {"name": "e-1", "deletionTimestamp": None},
+        "metadata": {"name": "e-1", "uid": "u1", "deletionTimestamp": None},
         "status": {
             "podIP": "127.0.0.3",
             "conditions": [
@@ -36,7 +35,8 @@ def test_replica_ref_from_a_pod() -> None:
             ],
         },
     }
-    ref = replica_ref("e-1", "u1", body)
+    ref = ReplicaRef.from_pod(body)
+    assert (ref.name, ref.uid) == ("e-1", "u1")
     assert (ref.ip, ref.running, ref.ready, ref.gate, ref.restarts) == (
         "127.0.0.3",
         True,
@@ -46,14 +46,14 @@ def test_replica_ref_from_a_pod() -> None:
     )
     assert not ref.terminating
     waiting = {
-        "metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"},
+        "metadata": {"name": "e-2", "uid": "u2", "deletionTimestamp": "2026-01-01T00:00:00Z"},
         "status": {
             "containerStatuses": [
                 {"name": "engine", "state": {"waiting": {"reason": "CrashLoopBackOff"}}}
             ]
         },
     }
-    ref = replica_ref("e-2", "u2", waiting)
+    ref = ReplicaRef.from_pod(waiting)
     assert ref.terminating and not ref.running and ref.waiting_reason == "CrashLoopBackOff"
     assert ref.gate is None and ref.ip is None
 

@@ -1,4 +1,5 @@
-"""Releasing a pool on every replica: released, absent, refused, unreachable."""
+"""The pool finalizer: children first; then released, absent, refused or unreachable on
+every replica, with the pool's conditions while it waits."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import asyncio
 
 import httpx
 
-from polykv_operator.fleet import EngineState
-from polykv_operator.pool_release import release_everywhere
+from polykv_operator.fleet import EngineState, Render
+from polykv_operator.kube import Kube
+from polykv_operator.pool_release import Holder, finalize_pool, release_everywhere
 
-from .builders import NS, pod
+from .builders import NS, pod, pool
 from .fake_engine import FakeEngine, FakeFleet, FakePool
 
 
@@ -55,3 +57,64 @@ def test_pods_without_an_engine_process_hold_nothing() -> None:
     ]
     out = run({}, pods, "root")
     assert out.done and not out.released and not out.absent
+
+
+class KubeCalls:
+    """A Kube whose API server only records what is asked of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+        def handler(req: httpx.Request) -> httpx.Response:
+            self.calls.append(f"{req.method} {req.url.path}")
+            return httpx.Response(200, json={})
+
+        self.kube = Kube(
+            httpx.AsyncClient(base_url="https://api", transport=httpx.MockTransport(handler))
+        )
+
+
+def finalize(engines, pods, pools, holder=True, status=None):  # type: ignore[no-untyped-def]
+    http = httpx.AsyncClient(transport=FakeFleet(engines).transport())
+    state = EngineState((NS, "eng"), admin_key="k")
+    state.renders["uid-root"] = Render(2, 0, "h")
+    kube = KubeCalls()
+    held = Holder(state, pods, 8080) if holder else None
+    waiting = asyncio.run(
+        finalize_pool(NS, "root", "uid-root", pools, held, http, kube.kube, status)
+    )
+    return waiting, state, kube.calls
+
+
+def test_finalize_deletes_children_first_and_waits() -> None:
+    pools = [pool("root"), pool("a", parent="root"), pool("b", parent="root", deleting=True)]
+    waiting, _, calls = finalize({}, [], pools)
+    assert calls == [f"DELETE /apis/polykv.io/v1alpha1/namespaces/{NS}/polykvpools/a"]
+    assert waiting is not None and waiting.message.endswith("a, b") and waiting.delay == 1
+    busy = {c["type"]: c for c in waiting.status_patch["conditions"]}["Reconciling"]
+    assert busy["reason"] == "DeletingChildren"
+    # The same conditions again are no news: nothing to patch.
+    again, _, _ = finalize({}, [], pools, status={"conditions": waiting.status_patch["conditions"]})
+    assert again is not None and again.status_patch == {}
+
+
+def test_finalize_forgets_a_pool_released_everywhere() -> None:
+    eng = with_pools("root")
+    waiting, state, _ = finalize({"10.0.0.1": eng}, [pod("a", "10.0.0.1")], [pool("root")])
+    assert waiting is None and eng.pools == {}
+    assert "uid-root" not in state.renders and not state.deleting
+
+
+def test_finalize_without_an_engine_lets_the_pool_go() -> None:
+    waiting, _, calls = finalize({}, [], [pool("root")], holder=False)
+    assert waiting is None and calls == []
+
+
+def test_finalize_keeps_the_finalizer_while_a_replica_does_not_answer() -> None:
+    down = with_pools("root")
+    down.down = True
+    waiting, state, _ = finalize({"10.0.0.1": down}, [pod("a", "10.0.0.1")], [pool("root")])
+    assert waiting is not None and "does not answer" in waiting.message
+    ready = {c["type"]: c for c in waiting.status_patch["conditions"]}["Ready"]
+    assert ready["status"] == "Unknown" and ready["reason"] == "EngineUnreachable"
+    assert state.deleting == {"uid-root"}

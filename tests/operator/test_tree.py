@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from polykv_operator.tree import Problem, check, parents_first, path_of, request_body
+from polykv_api import models as wire
+from polykv_operator.tree import (
+    PoolNode,
+    Problem,
+    check,
+    parent_owner_reference,
+    parents_first,
+    path_of,
+    request_body,
+)
 
 from .builders import pool
 
@@ -76,9 +87,15 @@ def test_deleting_ancestor_makes_children_wait_not_stall() -> None:
     assert p.reason == "ParentDeleting" and not p.stalled
 
 
+def sent(found: list[PoolNode], dry_run: bool = False) -> dict[str, Any]:
+    """The JSON the engine client sends for `request_body(found)`."""
+    return request_body(found, dry_run=dry_run).model_dump(mode="json", exclude_none=True)
+
+
 def test_text_root_body() -> None:
     root = pool("root", text="hello", pin=True)
-    assert request_body([root]) == {
+    assert isinstance(request_body([root]), wire.PoolCreateRequest)
+    assert sent([root]) == {
         "prompt": "hello",
         "name": "root",
         "pin": True,
@@ -90,7 +107,8 @@ def test_append_text_is_the_full_prefix_and_branch_pos_is_left_to_the_engine() -
     root = pool("root", text="hello")
     child = pool("child", parent="root", appendText=" world")
     grand = pool("grand", parent="child", appendText="!")
-    body = request_body([root, child, grand], dry_run=True)
+    assert isinstance(request_body([root, child, grand]), wire.PoolForkRequest)
+    body = sent([root, child, grand], dry_run=True)
     assert body["prompt"] == "hello world!"
     assert body["dry_run"] is True
     assert "branch_pos" not in body
@@ -100,7 +118,7 @@ def test_append_messages_inherit_the_roots_tools() -> None:
     root = pool("root", messages=[SYS], tools=[TOOL])
     user = {"role": "user", "content": "Brief."}
     child = pool("child", parent="root", appendMessages=[user])
-    body = request_body([root, child])
+    body = sent([root, child])
     assert body["messages"] == [SYS, user]
     assert body["tools"] == [TOOL]
 
@@ -109,13 +127,25 @@ def test_full_messages_child_keeps_its_own_tools_and_branch_pos() -> None:
     root = pool("root", messages=[SYS], tools=[TOOL])
     other = {"role": "system", "content": "You are the shell crew."}
     child = pool("child", parent="root", messages=[other], branchPos=3)
-    body = request_body([root, child])
+    body = sent([root, child])
     assert body["messages"] == [other] and "tools" not in body
     assert body["branch_pos"] == 3
 
 
 def test_tokens_body() -> None:
-    assert request_body([pool("t", tokens=[1, 2, 3])])["tokens"] == [1, 2, 3]
+    assert sent([pool("t", tokens=[1, 2, 3])])["tokens"] == [1, 2, 3]
+
+
+def test_parent_owner_reference_is_not_a_controller() -> None:
+    ref = parent_owner_reference(pool("root"))
+    assert ref == {
+        "apiVersion": "polykv.io/v1alpha1",
+        "kind": "PolyKVPool",
+        "name": "root",
+        "uid": "uid-root",
+        "controller": False,
+        "blockOwnerDeletion": True,
+    }
 
 
 def test_parents_first() -> None:

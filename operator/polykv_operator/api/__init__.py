@@ -4,13 +4,7 @@ these by ``python -m polykv_operator.crdgen``)."""
 from .admission import AdmissionPolicySpec, AdmissionPolicyStatus, PolicyConflict
 from .engine import ModelInit, ModelSource, PolyKVEngineSpec, PolyKVEngineStatus, ReplicaStatus
 from .meta import API_VERSION, CATEGORY, GROUP, VERSION, Condition, KubeModel, LabelSelector
-from .pool import (
-    CapacitySummary,
-    PolyKVPoolSpec,
-    PolyKVPoolStatus,
-    PoolMessage,
-    PoolReplica,
-)
+from .pool import PolyKVPoolSpec, PolyKVPoolStatus, PoolCapacity, PoolMessage, PoolReplica
 from .resources import ADMISSION, ENGINE, KINDS, POOL, Kind
 
 __all__ = [
@@ -24,7 +18,6 @@ __all__ = [
     "VERSION",
     "AdmissionPolicySpec",
     "AdmissionPolicyStatus",
-    "CapacitySummary",
     "Condition",
     "Kind",
     "KubeModel",
@@ -36,6 +29,7 @@ __all__ = [
     "PolyKVEngineStatus",
     "PolyKVPoolSpec",
     "PolyKVPoolStatus",
+    "PoolCapacity",
     "PoolMessage",
     "PoolReplica",
     "ReplicaStatus",

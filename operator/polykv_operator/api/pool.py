@@ -118,7 +118,7 @@ class PoolReplica(KubeModel):
     """materializing, resident or evicted."""
 
 
-class CapacitySummary(KubeModel):
+class PoolCapacity(KubeModel):
     """Whether a new session may attach now (the engine's admission view, worst replica)."""
 
     can_admit: bool
@@ -162,7 +162,7 @@ class PolyKVPoolStatus(KubeModel):
     """Pinned on some replica with no sessions and no children."""
     compaction_pressure: float | None = None
     """The engine's compaction pressure in [0, 1] (highest replica)."""
-    capacity: CapacitySummary | None = None
+    capacity: PoolCapacity | None = None
     """Admission view of a new session."""
     admission_policy: str | None = None
     """The AdmissionPolicy in effect on this pool."""

@@ -1,0 +1,23 @@
+"""Strings that other programs see: the cluster, kopf, the engine container, dashboards.
+
+Each is spelled once, here, so that modules which only need a name do not import the module
+that happens to use it most (and so that changing one is a visible, reviewed act: objects
+already in a cluster carry these values).
+"""
+
+from __future__ import annotations
+
+FINALIZER = "polykv.io/finalizer"
+"""The one finalizer the operator puts on its objects (kopf's, for every handler)."""
+
+PREFIX = "kopf.polykv.io"
+"""Annotation prefix under which kopf keeps handler progress and the last-handled spec."""
+
+GATE = "polykv.io/pools-ready"
+"""The pod readiness gate: True once a replica holds every declared pool and policy."""
+
+ENGINE_LABEL = "polykv.io/engine"
+"""Label on everything an engine owns; its value is the PolyKVEngine's name."""
+
+CONTAINER = "engine"
+"""Name of the engine container in the pod template (pod status is read by this name)."""
