@@ -2,13 +2,15 @@
 
 Two kinds of failure, because the operator reacts differently: `EngineUnreachable` (no
 answer, a timeout, a 5xx, still loading: try again later, never assume the pool is gone)
-and `EngineRejected` (a 4xx: the engine understood and said no; the message says why).
+and `EngineRejected` (a 4xx: the engine understood and said no). A refusal carries the
+engine's machine-readable `reason` (one of `polykv_api.models.Reason`); programs match that,
+never the `message`, whose wording is for people and may change between engine versions.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -32,22 +34,41 @@ class EngineUnreachable(EngineError):
     """No usable answer; the replica's state is unknown."""
 
 
-class EngineRejected(EngineError):
-    """A 4xx answer: `status`, the engine's error `type` and `message`."""
+# What a status alone says, for an engine that sends no reason code (older than the codes):
+# only statuses with one meaning on the routes the operator calls. A 409 has several.
+STATUS_REASONS: dict[int, wire.Reason] = {
+    400: "invalid_request",
+    404: "pool_not_found",  # every route the operator calls names a pool
+    405: "method_not_allowed",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+}
 
-    def __init__(self, status: int, message: str, etype: str) -> None:
+
+class EngineRejected(EngineError):
+    """A 4xx answer: `status`, the engine's `reason` code, error `type` and `message`.
+
+    `reason` is None only when the engine sent no known code and the status has more than
+    one meaning (an older engine's 409)."""
+
+    def __init__(self, status: int, message: str, etype: str, reason: str | None = None) -> None:
         super().__init__(f"{status} {etype}: {message}")
         self.status = status
         self.message = message
         self.type = etype
+        self.reason: wire.Reason | None = (
+            cast(wire.Reason, reason) if reason in wire.REASONS else STATUS_REASONS.get(status)
+        )
 
     @property
     def not_found(self) -> bool:
-        return self.status == 404
+        """The pool (or the parent named in the path) does not exist on this replica."""
+        return self.reason == "pool_not_found"
 
     @property
     def capacity(self) -> bool:
-        return self.type == "capacity_error"
+        """No free pool sequence id: the engine holds as many pools as it can."""
+        return self.reason == "seq_ids_exhausted"
 
 
 class EngineClient:
@@ -83,10 +104,10 @@ class EngineClient:
                 raise EngineUnreachable(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
             if resp.status_code >= 500 or resp.status_code in (401, 403):
                 # 401/403: our key is not (yet) the replica's; nothing we send can work.
-                raise EngineUnreachable(f"HTTP {resp.status_code}: {_message(resp)}")
+                raise EngineUnreachable(f"HTTP {resp.status_code}: {_error(resp)[0]}")
             if resp.status_code >= 400:
                 result = "rejected"
-                raise EngineRejected(resp.status_code, _message(resp), _etype(resp))
+                raise EngineRejected(resp.status_code, *_error(resp))
             try:
                 parsed = model.model_validate(resp.json())
             except (ValidationError, ValueError) as exc:
@@ -141,15 +162,10 @@ def _json(resp: httpx.Response) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _message(resp: httpx.Response) -> str:
+def _error(resp: httpx.Response) -> tuple[str, str, str | None]:
+    """(message, type, reason) of an error body; whatever the body lacks is filled in."""
     err = _json(resp).get("error")
-    if isinstance(err, dict) and "message" in err:
-        return str(err["message"])
-    return resp.text[:300] or resp.reason_phrase
-
-
-def _etype(resp: httpx.Response) -> str:
-    err = _json(resp).get("error")
-    if isinstance(err, dict) and "type" in err:
-        return str(err["type"])
-    return "error"
+    err = err if isinstance(err, dict) else {}
+    message = str(err["message"]) if "message" in err else resp.text[:300] or resp.reason_phrase
+    reason = err.get("reason")
+    return message, str(err.get("type", "error")), reason if isinstance(reason, str) else None

@@ -84,23 +84,31 @@ async def poll(client: EngineClient, pod: ReplicaRef) -> Observation:
 
 
 def rejected_reason(exc: EngineRejected, pod: str, name: str) -> RenderFailure:
-    """A refused prefix, with a reason a program can match and a fix a person can apply."""
+    """A refused prefix: a condition reason chosen by the engine's reason code (never by its
+    wording), and a message that adds the fix a person can apply."""
     msg = exc.message
-    if exc.type == "exceed_context_size_error":
-        return RenderFailure(
-            "PrefixTooLong", f"{msg}; raise the engine's spec.contextSize or shorten the prefix"
-        )
-    if "already exists" in msg or "is taken" in msg:
-        return RenderFailure(
-            "NameConflict",
-            f"replica {pod}: {msg}. It was created outside this resource: release it on the "
-            f"engine (DELETE /polykv/pools/{name}) or give this PolyKVPool another name",
-        )
-    if "shares no tokens" in msg:
-        return RenderFailure("NoCommonPrefix", f"{msg} (drop spec.parent)")
-    if "branch_pos" in msg:
-        return RenderFailure("BranchPosInvalid", msg)
-    return RenderFailure("PrefixRejected", f"the engine refused the prefix: {msg}")
+    match exc.reason:
+        case "prefix_too_long":
+            fix = "raise the engine's spec.contextSize or shorten the prefix"
+            return RenderFailure("PrefixTooLong", f"{msg}; {fix}")
+        case "name_conflict":
+            return RenderFailure(
+                "NameConflict",
+                f"replica {pod}: {msg}. It was created outside this resource: release it on "
+                f"the engine (DELETE /polykv/pools/{name}) or give this PolyKVPool another name",
+            )
+        case "no_common_prefix":
+            return RenderFailure("NoCommonPrefix", f"{msg} (drop spec.parent)")
+        case "branch_pos_invalid" | "prefix_mismatch":
+            # prefix_mismatch on a fork: the tokens before the given branchPos differ from
+            # the parent's (without a branchPos the engine computes one that fits).
+            return RenderFailure("BranchPosInvalid", f"{msg}; lower spec.branchPos or omit it")
+        case "seq_ids_exhausted":
+            return RenderFailure(
+                "EngineFull", f"replica {pod}: {msg}; raise the engine's spec.maxPools"
+            )
+        case _:
+            return RenderFailure("PrefixRejected", f"the engine refused the prefix: {msg}")
 
 
 class Round:
@@ -139,6 +147,12 @@ class Round:
         if self.changed:
             await self._poll_all([self.pods[n] for n in self.changed])
         await self._gates(final=True)
+        # The fleet's figure, for the engine's status and the floor-pressure metric.
+        st.mean_active_tps = stat.mean_active_tps(
+            lst
+            for n, o in st.replicas.items()
+            if n in self.clients and o.reachable and (lst := o.listing) is not None
+        )
 
     async def _poll_all(self, pods: Sequence[ReplicaRef]) -> None:
         found = await asyncio.gather(*(poll(self.clients[p.name], p) for p in pods))

@@ -42,7 +42,6 @@ from .api import (
 from .config import Config
 from .engine_round import ClusterView, GateWriter, drop_stale_gate, run_round
 from .fleet import EngineState, Fleet, ReplicaRef
-from .gates import GateWant
 from .kube import Kube
 from .names import ENGINE_LABEL, FINALIZER, PREFIX
 from .policies import PolicyNode, select
@@ -76,12 +75,8 @@ class Clients:
         return self.kube
 
     def gate_writer(self, namespace: str) -> GateWriter:
-        kube = self.kube_client()
-
-        async def write(pod: str, want: GateWant) -> None:
-            await kube.set_gate(namespace, pod, want)
-
-        return write
+        """Sets a pod's readiness gate in `namespace` (engine_round decides which and how)."""
+        return functools.partial(self.kube_client().set_gate, namespace)
 
 
 CLIENTS = Clients()

@@ -7,7 +7,7 @@ are rounded so that an idle tree produces no writes at all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,8 +41,17 @@ STUCK_WAITING = (
 )
 
 
-def _tps(values: Sequence[float]) -> float | None:
-    return round(sum(values) / len(values), 1) if values else None
+def mean_active_tps(counts: Iterable[wire.PoolStatus | wire.PoolList]) -> float | None:
+    """Mean experienced decode tokens/s of the sessions the engines count as active (they
+    leave out sessions still warming up), over several pools or replicas: the weighted
+    mean Σ active_tps_sum / Σ n_active of what the engines report, never a mean of means
+    and never recomputed from the sessions' own rates. Rounded to 0.1 so that jitter
+    writes nothing; None when no session is active."""
+    n, tps = 0, 0.0
+    for c in counts:
+        n += c.n_active
+        tps += c.active_tps_sum
+    return round(tps / n, 1) if n else None
 
 
 # ------------------------------------------------------------------------------- pools
@@ -162,7 +171,7 @@ def pool_status(
 
 def _observed(st: PolyKVPoolStatus, name: str, serving: Sequence[Observation]) -> None:
     replicas: list[PoolReplica] = []
-    tps: list[float] = []
+    found: list[wire.PoolStatus] = []
     sessions = own = subtree = 0
     orphaned = False
     caps: list[wire.CapacitySummary] = []  # from the listing: one summary per replica
@@ -173,8 +182,8 @@ def _observed(st: PolyKVPoolStatus, name: str, serving: Sequence[Observation]) -
         replicas.append(
             PoolReplica(pod=obs.pod, pool_id=p.pool_id, boot_id=obs.boot_id, residency=p.residency)
         )
+        found.append(p)
         sessions += len(p.sessions)
-        tps += [s.tps_ewma for s in p.sessions if s.state == "decoding"]
         own += p.own_kv_bytes
         subtree += p.subtree_kv_bytes
         orphaned = orphaned or p.orphaned_pin
@@ -184,7 +193,7 @@ def _observed(st: PolyKVPoolStatus, name: str, serving: Sequence[Observation]) -
         return
     st.replicas = replicas
     st.sessions = sessions
-    st.mean_active_tps = _tps(tps)
+    st.mean_active_tps = mean_active_tps(found)
     st.own_kv_bytes, st.subtree_kv_bytes, st.orphaned_pin = own, subtree, orphaned
     if caps:
         st.compaction_pressure = round(max(c.compaction_pressure for c in caps), 2)
@@ -212,20 +221,17 @@ def engine_status(
     pods = [p for p in state.pods.values() if not p.terminating]
     ready = [p for p in pods if p.ready and p.gate == "True"]
     rows: list[ReplicaStatus] = []
-    all_tps: list[float] = []
     for pod in sorted(pods, key=lambda p: p.name):
         obs = state.replicas.get(pod.name)
         row = ReplicaStatus(pod=pod.name, pod_ip=pod.ip, pools_ready=pod.gate == "True")
         if obs is not None and obs.reachable and obs.listing is not None:
             lst = obs.listing
-            tps = [s.tps_ewma for p in lst.pools for s in p.sessions if s.state == "decoding"]
-            all_tps += tps
             row.reachable = True
             row.boot_id = lst.boot_id
             row.seq_ids_used, row.seq_ids_max = lst.seq_ids_used, lst.seq_ids_max
             row.kv_cells_used, row.kv_cells_total = lst.kv_cells_used, lst.kv_cells_total
             row.sessions = sum(len(p.sessions) for p in lst.pools)
-            row.mean_active_tps = _tps(tps)
+            row.mean_active_tps = mean_active_tps([lst])
         elif pod.waiting_reason:
             row.message = f"{pod.waiting_reason}: {pod.waiting_message or ''}".rstrip(": ")
         elif obs is not None and obs.error:
@@ -239,7 +245,6 @@ def engine_status(
         r = state.renders.get(node.uid)
         if isinstance(r, Render) and serving and all(o.pool(node.name) for o in serving):
             on_all += 1
-    state.mean_active_tps = _tps(all_tps)
     stuck = [p for p in pods if p.waiting_reason in STUCK_WAITING]
     if stuck:
         p = stuck[0]

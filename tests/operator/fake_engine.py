@@ -1,7 +1,8 @@
 """An in-memory stand-in for an engine replica's pool API, served through httpx.MockTransport.
 
 Tokens are the prompt's characters (or the messages' contents joined), so tests can reason
-about prefix lengths and branch positions by counting characters.
+about prefix lengths and branch positions by counting characters. Refusals carry a reason
+code as the real engine's do; `reasons=False` plays an engine older than the codes.
 """
 
 from __future__ import annotations
@@ -17,8 +18,13 @@ from polykv_api.models import (
     CapacitySummary,
     PoolCreated,
     PoolList,
+    PoolSession,
     PoolStatus,
+    Reason,
 )
+
+WARMING_TPS = 500.0  # what a just-started session's first tokens may look like
+TYPES = {400: "exceed_context_size_error", 404: "not_found_error", 409: "conflict_error"}
 
 
 def tokens_of(body: dict[str, Any]) -> list[int]:
@@ -65,8 +71,28 @@ class FakePool:
     branch_pos: int
     admission: AdmissionPolicy | None = None
     capacity: CapacitySummary | None = field(default_factory=summary)  # None: an older engine
+    rates: list[float] = field(default_factory=list)  # tps of each active decoding session
+    warming: int = 0  # decoding sessions whose rate the engine has not measured yet
+
+    def sessions(self) -> list[PoolSession]:
+        """Active sessions at their rates; warming ones with a wild first-tokens rate that
+        the engine leaves out of its sums (a consumer that averaged tps_ewma would not)."""
+        rates = [*self.rates, *[WARMING_TPS] * self.warming]
+        return [
+            PoolSession(
+                session_id=f"{self.name}-{i}",
+                slot=i,
+                shared_prefix_tokens=len(self.tokens),
+                suffix_n_tokens=1,
+                marginal_kv_bytes=8,
+                tps_ewma=tps,
+                state="decoding",
+            )
+            for i, tps in enumerate(rates)
+        ]
 
     def status(self) -> PoolStatus:
+        n, total = len(self.rates), sum(self.rates)
         return PoolStatus(
             pool_id=self.pool_id,
             name=self.name,
@@ -86,8 +112,12 @@ class FakePool:
             depth=0,
             path=self.name,
             children=[],
-            sessions=[],
+            sessions=self.sessions(),
             seq_id=self.pool_id,
+            n_active=n,
+            n_warming=self.warming,
+            active_tps_sum=total,
+            mean_active_tps=total / n if n else 0.0,
             admission=self.admission,
             capacity=self.capacity,
         )
@@ -100,6 +130,7 @@ class FakeEngine:
     n_ctx: int = 4096
     pools: dict[str, FakePool] = field(default_factory=dict)
     down: bool = False  # answer nothing (connection refused)
+    reasons: bool = True  # send reason codes in error bodies (False: an older engine)
     calls: list[str] = field(default_factory=list)
     next_id: int = 1
 
@@ -124,19 +155,20 @@ class FakeEngine:
         if verb == "fork":
             return self._create(body, ref)
         if ref not in self.pools:
-            return self._error(404, f"pool {ref!r} does not exist", "not_found_error")
+            return self._error(404, "pool_not_found", f"pool {ref!r} does not exist")
         pool = self.pools[ref]
         if verb == "" and method == "DELETE":
             if any(p.parent == ref for p in self.pools.values()):
-                return self._error(409, f"pool {ref!r} has child pools; release them first")
+                return self._error(409, "has_children", f"pool {ref!r} has child pools")
             del self.pools[ref]
             return self._json(200, {"released": pool.pool_id, "boot_id": self.boot_id})
         if verb == "admission":
             pool.admission = AdmissionPolicy.model_validate(body) if method == "POST" else None
             return self._json(200, pool.status().model_dump())
-        return self._error(400, f"unsupported {method} {path}")
+        return self._error(405, "method_not_allowed", f"unsupported {method} {path}")
 
     def listing(self) -> PoolList:
+        rates = [r for p in self.pools.values() for r in p.rates]
         return PoolList(
             boot_id=self.boot_id,
             pools=[p.status() for p in self.pools.values()],
@@ -147,29 +179,33 @@ class FakeEngine:
             kv_cells_total=self.n_ctx,
             kv_bytes_per_token=8,
             kv_bytes_used=0,
+            n_active=len(rates),
+            n_warming=sum(p.warming for p in self.pools.values()),
+            active_tps_sum=sum(rates),
+            mean_active_tps=sum(rates) / len(rates) if rates else 0.0,
         )
 
     def _create(self, body: dict[str, Any], parent_ref: str | None) -> httpx.Response:
         tokens = tokens_of(body)
         if len(tokens) >= self.n_ctx:
-            return self._error(400, "prompt too long", "exceed_context_size_error")
+            return self._error(400, "prefix_too_long", "prompt too long")
         name = body["name"]
         parent = self.pools.get(parent_ref) if parent_ref else None
         if parent_ref and parent is None:
-            return self._error(404, f"pool {parent_ref!r} does not exist", "not_found_error")
+            return self._error(404, "pool_not_found", f"pool {parent_ref!r} does not exist")
         existing = self.pools.get(name)
         if existing is not None:
             if existing.tokens != tokens:
-                return self._error(409, f"pool {name!r} already exists with a different prefix")
+                return self._error(409, "name_conflict", f"pool {name!r} has another prefix")
             return self._created(existing, created=False, status=200)
         d = 0
         if parent is not None:
             shared = lcp(parent.tokens, tokens)
             d = body.get("branch_pos") or shared
             if d > len(parent.tokens):
-                return self._error(409, f"branch_pos {d} is beyond the end of parent")
+                return self._error(409, "branch_pos_invalid", f"D={d} is past the parent's end")
             if d == 0:
-                return self._error(409, "the child shares no tokens with parent")
+                return self._error(409, "no_common_prefix", "nothing in common with the parent")
         pool = FakePool(self.next_id, name, parent_ref, tokens, d)
         if body.get("dry_run"):
             return self._json(
@@ -184,7 +220,7 @@ class FakeEngine:
                 ).model_dump(),
             )
         if len(self.pools) >= self.max_pools:
-            return self._error(409, "no free pool sequence id: all in use", "capacity_error")
+            return self._error(409, "seq_ids_exhausted", "no free pool sequence id: all in use")
         self.next_id += 1
         self.pools[name] = pool
         return self._created(pool, created=True, status=201)
@@ -206,11 +242,12 @@ class FakeEngine:
     def _json(status: int, body: Any) -> httpx.Response:
         return httpx.Response(status, json=body)
 
-    @staticmethod
-    def _error(status: int, message: str, etype: str = "invalid_request_error") -> httpx.Response:
-        return httpx.Response(
-            status, json={"error": {"code": status, "message": message, "type": etype}}
-        )
+    def _error(self, status: int, reason: Reason, message: str) -> httpx.Response:
+        etype = TYPES.get(status, "invalid_request_error")
+        error: dict[str, Any] = {"code": status, "message": message, "type": etype}
+        if self.reasons:
+            error["reason"] = reason
+        return httpx.Response(status, json={"error": error})
 
 
 class FakeFleet:

@@ -202,39 +202,6 @@ def test_a_steady_round_is_one_listing_per_replica_and_it_carries_capacity() -> 
             assert p.capacity.compaction_pressure == pytest.approx(0.25)
 
 
-@pytest.mark.parametrize(
-    ("status", "etype", "message", "reason"),
-    [
-        (400, "exceed_context_size_error", "the prompt has 9000 tokens", "PrefixTooLong"),
-        (
-            409,
-            "invalid_request_error",
-            "pool 'x' already exists with a different prefix",
-            "NameConflict",
-        ),
-        (
-            409,
-            "invalid_request_error",
-            "the child shares no tokens with parent 'r'",
-            "NoCommonPrefix",
-        ),
-        (
-            409,
-            "invalid_request_error",
-            "branch_pos 5 is beyond the end of the child's prefix",
-            "BranchPosInvalid",
-        ),
-        (400, "invalid_request_error", "tokens: ids outside the vocabulary", "PrefixRejected"),
-    ],
-)
-def test_engine_refusals_get_reasons(status: int, etype: str, message: str, reason: str) -> None:
-    from polykv_operator.engine_client import EngineRejected
-    from polykv_operator.engine_round import rejected_reason
-
-    failure = rejected_reason(EngineRejected(status, message, etype), "pod-a", "x")
-    assert failure.reason == reason and message in failure.message
-
-
 def test_run_round_returns_the_status_patch_and_then_nothing() -> None:
     h = Harness(1)
     view = ClusterView(NS, "eng", engine_spec(), list(h.pods.values()), tree(), [], ["eng"])
@@ -258,3 +225,17 @@ def test_a_pod_event_drops_a_stale_gate_at_once() -> None:
     assert want is not None and want.reason == "EngineRestarted"
     assert h.gates[-1] == ("eng-1", False, "EngineRestarted")
     assert p.uid not in h.state.synced
+
+
+def test_the_round_keeps_the_fleets_mean_active_tps() -> None:
+    h = Harness(2)
+    h.run(tree())
+    assert h.state.mean_active_tps is None  # nobody decoding
+    h.engine(1).pools["root"].rates = [10.0]
+    h.engine(2).pools["extend"].rates = [20.0, 30.0]
+    h.engine(2).pools["branch"].warming = 3
+    h.run(tree())
+    assert h.state.mean_active_tps == 20.0  # 60 tokens/s over 3 active sessions
+    h.engine(2).down = True  # an unreachable replica's last figures do not count
+    h.run(tree())
+    assert h.state.mean_active_tps == 10.0

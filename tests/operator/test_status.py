@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from polykv_api.models import AdmissionPolicy, PoolSession
+from polykv_api.models import AdmissionPolicy
 from polykv_operator.api import Condition
 from polykv_operator.fleet import CreateError, EngineState, Observation, Render, RenderFailure
 from polykv_operator.policies import engine_policy, select
 from polykv_operator.status import (
     PoolContext,
     engine_status,
+    mean_active_tps,
     patch_for,
     policy_status,
     pool_status,
@@ -111,27 +112,40 @@ def test_engine_full_stalls_with_a_fix() -> None:
 
 def test_live_figures_are_summed_and_rounded() -> None:
     eng = engine_with("root")
+    eng.pools["root"].rates = [10.04, 12.0]
+    eng.pools["root"].warming = 1  # listed as a session, left out of the rate
     st = state_with({"a": eng}, {"uid-root": RENDER})
-    listing = st.replicas["a"].listing
-    assert listing is not None
-    listing.pools[0].sessions = [
-        PoolSession(
-            session_id=f"s{i}",
-            slot=i,
-            shared_prefix_tokens=4,
-            suffix_n_tokens=2,
-            marginal_kv_bytes=16,
-            tps_ewma=tps,
-            state="decoding",
-        )
-        for i, tps in enumerate((10.04, 12.0))
-    ]
     out = pool_status(ROOT, ctx([ROOT], {"eng": st}), None)
-    assert out.sessions == 2 and out.mean_active_tps == 11.0
+    assert out.sessions == 3 and out.mean_active_tps == 11.0
     assert out.compaction_pressure == 0.25
     assert (
         out.capacity is not None and out.capacity.can_admit and out.capacity.headroom_sessions == 3
     )
+
+
+def test_replicas_combine_by_the_engines_sums_not_by_session_rates() -> None:
+    a, b = engine_with("root"), engine_with("root")
+    a.pools["root"].rates = [10.0]
+    a.pools["root"].warming = 2
+    b.pools["root"].rates = [20.0, 20.0, 20.0]
+    st = state_with({"a": a, "b": b}, {"uid-root": RENDER})
+    out = pool_status(ROOT, ctx([ROOT], {"eng": st}), None)
+    # 70 tokens/s over 4 active sessions; not the mean of the replicas' means (15.0), and
+    # not a mean over every decoding session's tps_ewma (warming ones included).
+    assert out.mean_active_tps == 17.5
+    rows = {
+        r.pod: r
+        for r in engine_status(engine_spec(), "eng", 1, st, [], None, "s").replica_status or []
+    }
+    assert (rows["a"].mean_active_tps, rows["b"].mean_active_tps) == (10.0, 20.0)
+
+
+def test_no_active_session_means_no_figure() -> None:
+    eng = engine_with("root")
+    eng.pools["root"].warming = 1
+    st = state_with({"a": eng}, {"uid-root": RENDER})
+    assert mean_active_tps([eng.listing()]) is None
+    assert pool_status(ROOT, ctx([ROOT], {"eng": st}), None).mean_active_tps is None
 
 
 def test_capacity_is_the_worst_replica_from_the_listing() -> None:
@@ -177,6 +191,13 @@ def test_engine_status() -> None:
     assert rows["a"].boot_id == "boot-1" and rows["a"].seq_ids_max == 8
     assert {c.type: c.status for c in out.conditions or []}["Reconciling"] == "True"
     assert out.model_dump(by_alias=True)["replicaStatus"][0]["podIP"] == "10.0.0.1"
+
+
+def test_engine_status_reports_the_rounds_figure_and_leaves_it() -> None:
+    st = state_with({"a": engine_with("root")}, {"uid-root": RENDER})
+    st.mean_active_tps = 7.5  # the round's to write
+    out = engine_status(engine_spec(), "eng", 1, st, [ROOT], None, "s")
+    assert out.mean_active_tps == 7.5 and st.mean_active_tps == 7.5
 
 
 def test_engine_status_stalls_on_crash_loop() -> None:
