@@ -1,6 +1,6 @@
 """Plumbing every PolyKV benchmark shares.
 
-* servers: the engine (``polykv_engine.launch.EngineProcess``) and any other HTTP server
+* servers: the engine (``polykv_engine.testing.EngineProcess``) and any other HTTP server
   started from a command line (``ServerProcess``), each on a free port, logging to
   ``bench/results/<label>.log`` (git-ignored);
 * clients: streamed completions timed per event (``sse_events``), k requests released at
@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from polykv_engine.launch import EngineProcess, free_port
+from polykv_engine.testing import EngineProcess, free_port
 
 T = TypeVar("T")
 
@@ -47,7 +47,7 @@ MODEL_ENV = "POLYKV_BENCH_MODEL"
 DEFAULT_MODEL = REPO_ROOT / "models" / "polykv-bench.gguf"
 
 # Both servers under test load the same libllama; give its OpenMP runtime the same policy
-# (the engine defaults to passive itself, see engine_feasibility.md §6).
+# (the engine defaults to passive itself).
 SERVER_ENV = {"OMP_WAIT_POLICY": "passive"}
 
 _T0 = time.monotonic()

@@ -23,7 +23,9 @@ PY="${PYTHON:-python3.11}"
 PYTAG="$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
 CACHE_ROOT="${POLYKV_CACHE:-$HOME/.cache/polykv}"
 # Every option that changes the binary. LLAMA_CPP_EXTRA_CMAKE_ARGS adds to them (e.g. a GPU backend).
-CMAKE_FLAGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_OPENMP=ON ${LLAMA_CPP_EXTRA_CMAKE_ARGS:-}"
+# CMAKE_INSTALL_BINDIR puts the per-CPU backend modules next to libllama in the wheel, where
+# the engine loads them from (ggml installs them into bin/ by default).
+CMAKE_FLAGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_OPENMP=ON -DCMAKE_INSTALL_BINDIR=llama_cpp/lib ${LLAMA_CPP_EXTRA_CMAKE_ARGS:-}"
 DROP_VARIANTS="sapphirerapids"
 # The key names everything that changes the binary: version, interpreter, arch, flags, dropped
 # variants, and this script itself.
@@ -75,7 +77,7 @@ CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
     echo "!! llama-cpp-python build failed; tail of $DEST.log:" >&2; tail -40 "$DEST.log" >&2; exit 1; }
 # The wheel must carry one CPU backend per feature level and none with AMX.
 listing="$("$PY" -m zipfile -l "$DEST.tmp"/llama_cpp_python-*.whl)"
-grep -q 'libggml-cpu-haswell.so' <<<"$listing" || {
+grep -q 'llama_cpp/lib/libggml-cpu-haswell.so' <<<"$listing" || {
   echo "!! the wheel has no per-CPU backends; GGML_CPU_ALL_VARIANTS did not take" >&2; exit 1; }
 if grep -q 'libggml-cpu-sapphirerapids' <<<"$listing"; then
   echo "!! the wheel still carries the AMX backend" >&2; exit 1

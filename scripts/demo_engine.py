@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from polykv_engine.launch import running_engine
+from polykv_engine.testing import running_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "You are the research crew. Share what you find, cite sources, keep answers short."

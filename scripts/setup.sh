@@ -13,6 +13,6 @@ fi
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
 echo ">> installing PolyKV and its pinned dependencies into .venv" >&2
 # --find-links picks up the cached llama-cpp-python wheel instead of compiling again.
-.venv/bin/python -m pip install -q --find-links "$(dirname "$WHEEL")" -e ".[engine,operator,dev]" >&2
+.venv/bin/python -m pip install -q --find-links "$(dirname "$WHEEL")" -e ".[engine,modelgen,operator,dev]" >&2
 echo "$WANT" > "$STAMP"
 echo ">> .venv ready" >&2

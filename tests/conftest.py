@@ -18,7 +18,7 @@ def _model(preset: str, tmp_factory: pytest.TempPathFactory) -> Path:
         return built
     out = tmp_factory.mktemp("models") / f"polykv-{preset}.gguf"
     subprocess.run(
-        [sys.executable, "-m", "polykv_engine.make_model", "--preset", preset, str(out)],
+        [sys.executable, "-m", "polykv_modelgen.cli", "--preset", preset, str(out)],
         check=True,
     )
     return out

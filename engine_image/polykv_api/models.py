@@ -19,11 +19,21 @@ TokenId = Annotated[int, Field(ge=0)]
 
 
 class _Request(BaseModel):
+    """An inference body: OpenAI clients send many fields we do not use, so unknown fields
+    are accepted and reported back in ``X-PolyKV-Ignored-Fields`` (never dropped silently)."""
+
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     def ignored_fields(self) -> list[str]:
         """Names of body fields this engine does not understand (echoed, never silent)."""
         return sorted((self.model_extra or {}).keys())
+
+
+class _Control(BaseModel):
+    """A control body (``/polykv/*``, ``/tokenize``, ``/detokenize``): a misspelt field must
+    not silently install something else, so unknown fields are refused with 400."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class SamplingFields(_Request):
@@ -171,14 +181,14 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Control):
     content: str
     add_special: bool = False
     parse_special: bool = True
     with_pieces: bool = False
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Control):
     tokens: list[TokenId]
 
 
@@ -314,7 +324,7 @@ PoolRef = int | str
 """A pool id (per engine replica) or the pool's name (the same on every replica)."""
 
 
-class PoolPrefix(_Request):
+class PoolPrefix(_Control):
     """Exactly one way to give a pool's prefix."""
 
     tokens: list[TokenId] | None = Field(None, min_length=1)
@@ -459,8 +469,11 @@ class PoolCreated(BaseModel):
 # --------------------------------------------------------------------------- admission
 
 
-class AdmissionPolicy(_Request):
-    """``POST /polykv/pools/{id}/admission``: a per-pool tps floor (spec §4.4, §14)."""
+class AdmissionPolicy(_Control):
+    """``POST /polykv/pools/{id}/admission``: a per-pool floor on the mean experienced decode
+    tps of its active sessions, checked when a NEW session attaches. Immutable once parsed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     target_tps_per_session: float = Field(gt=0, description="the floor for mean experienced tps")
     mode: Literal["advisory", "enforced"] = "advisory"
@@ -472,7 +485,8 @@ class AdmissionPolicy(_Request):
 
 
 class Capacity(BaseModel):
-    """The admission verdict for one more session in a pool (spec §4.4, §14)."""
+    """The admission verdict for one more session in a pool: may it join now without pushing
+    the mean experienced decode tps of active sessions under the floor?"""
 
     can_admit: bool
     reason: str

@@ -52,6 +52,19 @@ OPERATIONS: list[Op] = [
 ]
 
 ERROR = {"$ref": "#/components/schemas/ErrorBody"}
+ERRORS = {
+    "400": "invalid request",
+    "401": "no or wrong key",
+    "403": "an inference key on an admin route",
+    "404": "no such pool, session or route",
+    "409": "conflicts with the pool tree",
+    "413": "body too large",
+    "415": "not application/json",
+    "429": "admission refused a new session",
+    "500": "the engine's own fault",
+    "501": "not supported by this engine",
+    "503": "loading, shutting down, or out of KV",
+}
 
 
 def document() -> dict[str, Any]:
@@ -82,9 +95,9 @@ def document() -> dict[str, Any]:
                 "application/json": {"schema": {"$ref": f"#/components/schemas/{resp.__name__}"}}
             }
         op["responses"]["200"] = ok
-        for code in ("400", "401", "403", "404", "409", "429", "503"):
+        for code, why in ERRORS.items():
             op["responses"][code] = {
-                "description": "error",
+                "description": f"{why}; `error.reason` says which (see ErrorDetail.reason)",
                 "content": {"application/json": {"schema": ERROR}},
             }
         paths.setdefault(path, {})[method] = op

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .context import ServerSettings
-from .engine import Engine, EngineConfig
-from .runtime import CACHE_TYPES, RuntimeConfig
-from .server import serve
+from polykv_engine.core.engine import Engine, EngineConfig
+from polykv_engine.http.app import serve
+from polykv_engine.http.app_context import ServerSettings
+from polykv_engine.llama.runtime import CACHE_TYPES, RuntimeConfig
 
 
 class JsonFormatter(logging.Formatter):

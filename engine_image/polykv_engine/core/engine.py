@@ -1,0 +1,700 @@
+"""The engine thread: it alone owns the llama context, the KV cache and the slot table.
+
+HTTP handlers talk to it only through ``submit`` / ``cancel`` / ``call`` (thread-safe inbox)
+and read the published ``snapshot``. Each iteration of the loop is one step:
+
+    drain inbox -> assign waiting requests to slots -> build ONE batch -> llama_decode -> update
+
+``core.scheduler`` decides what goes into the batch (a token for every decoding slot,
+then prompt chunks, then pool builds: continuous batching) and what to shed when the KV
+cache is full; ``core.slots`` keeps the slot table. Requests beyond the slot count wait in
+FIFO order; none is dropped.
+
+Sequence-id layout: slots use ids ``0..n_parallel-1``; pools use
+``n_parallel..n_parallel+max_pools-1``; with ``kv_debug`` one more id is a probe.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from polykv_api.models import Reason
+from polykv_engine.core.scheduler import (
+    ActiveSlot,
+    Shed,
+    ShedView,
+    build_batch,
+    choose_slot,
+    pick_shed,
+)
+from polykv_engine.core.slots import Slot, SlotTable
+from polykv_engine.core.snapshot import Counters, EngineSnapshot, PoolSnapshot
+from polykv_engine.core.tasks import (
+    DoneEvent,
+    ErrorEvent,
+    GenerateTask,
+    GenerationResult,
+    StopType,
+    TokenEvent,
+)
+from polykv_engine.core.textstream import TextAssembler
+from polykv_engine.kv.cache import KVCache
+from polykv_engine.llama.runtime import Batch, LlamaError, LlamaRuntime, RuntimeConfig
+from polykv_engine.policy.tps import SessionRate, ThroughputRate
+from polykv_engine.pools.manager import PoolManager
+from polykv_engine.pools.tree import Pool, PoolError
+from polykv_engine.tokens import common_prefix_len
+
+log = logging.getLogger("polykv.engine")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    runtime: RuntimeConfig
+    n_parallel: int = 1
+    max_pools: int = 16
+    context_shift: bool = False
+    tps_window_tokens: int = 128
+    tps_window_s: float = 2.0
+    pool_grace_s: float = 10.0  # an idle pool is kept this long before KV pressure may evict it
+    kv_debug: bool = False  # reserve a probe sequence to read llama.cpp's used-cell count
+
+
+class Engine:
+    """Owns the engine thread. Construct, ``start()``, then submit tasks."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="polykv-engine", daemon=True)
+        self._ready = threading.Event()
+        self.load_error: BaseException | None = None
+        self.runtime: LlamaRuntime | None = None
+        self.snapshot = EngineSnapshot(ts=time.time(), ready=False)
+        self._waiting: deque[GenerateTask] = deque()
+        self._decode_rate = ThroughputRate(cfg.tps_window_s)
+        self._prefill_rate = ThroughputRate(cfg.tps_window_s)
+        self._counters = Counters()
+        self._batch: Batch | None = None
+        self._stop_requested = False
+        self._kv: KVCache | None = None
+        self._pools: PoolManager | None = None
+        self._slots: SlotTable | None = None
+        self.pools_disabled_reason: str | None = None
+
+    # ------------------------------------------------------------------ any thread
+
+    @property
+    def n_seq_max(self) -> int:
+        return self.cfg.n_parallel + self.cfg.max_pools + (1 if self.cfg.kv_debug else 0)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._ready.wait(timeout)
+        return self.runtime is not None and self.snapshot.ready
+
+    @property
+    def ready(self) -> bool:
+        return self.snapshot.ready
+
+    def submit(self, task: GenerateTask) -> None:
+        task.submitted_at = time.perf_counter()
+        self._inbox.put(("submit", task))
+
+    def cancel(self, task_id: int) -> None:
+        self._inbox.put(("cancel", task_id))
+
+    def call(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn(engine)`` on the engine thread between steps; the future has its result."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, fut)))
+        return fut
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ engine thread only
+
+    @property
+    def rt(self) -> LlamaRuntime:
+        assert self.runtime is not None
+        return self.runtime
+
+    @property
+    def kv(self) -> KVCache:
+        assert self._kv is not None
+        return self._kv
+
+    @property
+    def pools(self) -> PoolManager:
+        assert self._pools is not None
+        return self._pools
+
+    @property
+    def slots(self) -> SlotTable:
+        assert self._slots is not None
+        return self._slots
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except BaseException as exc:  # reported through /health; the server exits
+            self.load_error = exc
+            log.error("engine failed to start: %s", exc)
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while not self._stop_requested:
+                self._drain_inbox(block=not self._has_work())
+                if self._stop_requested:
+                    break
+                t0 = time.perf_counter()
+                self._assign_waiting()
+                if self._busy():
+                    self._step()
+                    self._bump(busy_seconds=time.perf_counter() - t0)
+                self._publish()
+        except BaseException:
+            log.exception("engine loop crashed")
+            raise
+        finally:
+            self._shutdown()
+
+    def _load(self) -> None:
+        rcfg = replace(self.cfg.runtime, n_seq_max=self.n_seq_max)
+        t0 = time.perf_counter()
+        rt = LlamaRuntime(rcfg)
+        self.runtime = rt
+        n_ctx_slot = min(rt.n_ctx_seq, rt.info.n_ctx_train or rt.n_ctx_seq)
+        self._batch = rt.new_batch()
+        self._kv = KVCache(rt)
+        self._slots = SlotTable(
+            [
+                Slot(i, n_ctx_slot, SessionRate(self.cfg.tps_window_tokens, self.cfg.tps_window_s))
+                for i in range(self.cfg.n_parallel)
+            ],
+            self._kv,
+        )
+        first = self.cfg.n_parallel
+        self._pools = PoolManager(
+            self._kv,
+            range(first, first + self.cfg.max_pools),
+            rt.kv_bytes_per_token,
+            self.cfg.pool_grace_s,
+            self._slots.session_tokens,
+        )
+        if rt.info.is_recurrent or rt.info.is_hybrid:
+            # Recurrent state cannot be shared by position range: no pools on such a model.
+            self.pools_disabled_reason = "this model keeps recurrent state; pools need a KV cache"
+        elif self.cfg.max_pools == 0:
+            self.pools_disabled_reason = "pools are disabled (--polykv-max-pools 0)"
+        log.info(
+            "model loaded in %.2fs: %s, n_ctx=%d (per slot %d), n_batch=%d, slots=%d, "
+            "seq ids=%d (pools %d), kv_unified=%s",
+            time.perf_counter() - t0,
+            rt.info.description,
+            rt.n_ctx,
+            n_ctx_slot,
+            rt.n_batch,
+            self.cfg.n_parallel,
+            self.n_seq_max,
+            self.cfg.max_pools,
+            rcfg.kv_unified,
+        )
+        if self.cfg.context_shift and self.cfg.max_pools > 0:
+            log.warning(
+                "--context-shift with pools: a session whose context holds pool-shared cells "
+                "is never shifted (that would corrupt the pool for everyone); it stops with "
+                "truncated=true instead. Compact by re-forking (see the README)."
+            )
+        self._publish(ready=True)
+
+    def _busy(self) -> bool:
+        builds = self._pools is not None and bool(self._pools.builds)
+        return builds or any(s.state != "idle" for s in self.slots.slots)
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting) or self._busy()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: tuple[str, Any]) -> None:
+        kind, payload = item
+        if kind == "submit":
+            self._waiting.append(payload)
+        elif kind == "cancel":
+            self._cancel(payload)
+        elif kind == "call":
+            fn, fut = payload
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self))
+                except BaseException as exc:
+                    fut.set_exception(exc)
+        elif kind == "stop":
+            self._stop_requested = True
+
+    def _cancel(self, task_id: int) -> None:
+        for task in list(self._waiting):
+            if task.task_id == task_id:
+                self._waiting.remove(task)
+                self._bump(requests_cancelled=1)
+                return
+        for slot in self.slots.slots:
+            if slot.task is not None and slot.task.task_id == task_id:
+                log.info("slot %d: request %d cancelled by the client", slot.slot_id, task_id)
+                self.slots.release(slot)
+                self._bump(requests_cancelled=1)
+                return
+
+    # ------------------------------------------------------------------ admission to slots
+
+    def _assign_waiting(self) -> None:
+        if not self._waiting:
+            return
+        still: deque[GenerateTask] = deque()
+        table = self.slots
+        views = [s.view() for s in table.slots]
+        while self._waiting:
+            task = self._waiting.popleft()
+            if task.id_slot >= len(table):
+                msg = f"id_slot {task.id_slot} does not exist"
+                self._fail(task, 400, "invalid_request_error", "slot_not_found", msg)
+                continue
+            try:
+                if task.pool_ref is not None and not self._pool_ready_for(task):
+                    still.append(task)  # waits while its pool (re-)materializes
+                    continue
+            except PoolError as exc:
+                self._fail_pool(task, exc, "invalid_request_error")
+                continue
+            session_slot = table.slot_of(task.session_id)
+            chosen = choose_slot(views, task.prompt, session_slot, task.id_slot, task.cache_prompt)
+            if chosen is None:
+                still.append(task)
+                continue
+            self._begin(table[chosen], task)
+            views[chosen] = table[chosen].view()
+        self._waiting = still
+
+    def _pool_ready_for(self, task: GenerateTask) -> bool:
+        """Resolve the task's pool; False while it is (re-)materializing. Raises PoolError."""
+        assert task.pool_ref is not None
+        if self.pools_disabled_reason:
+            raise PoolError(
+                501, "pools_disabled", self.pools_disabled_reason, "not_supported_error"
+            )
+        pool = self.pools.tree.resolve(task.pool_ref)
+        if pool.residency != "resident":
+            try:
+                fut = self.pools.ensure_resident(pool)
+            except PoolError as exc:
+                if exc.reason != "seq_ids_exhausted":
+                    raise
+                # No sequence id to re-materialize the evicted pool into: serve the request
+                # without it (full prefill, same output) rather than fail the user's turn.
+                log.warning("pool %s: attach falls back to a full prefill: %s", pool.label, exc)
+                task.pool_fallback = exc.message
+                return True
+            if fut.done() and fut.exception() is not None:
+                failure = fut.exception()
+                if isinstance(failure, PoolError):
+                    raise failure
+                raise PoolError(500, "internal", str(failure), "server_error")
+            return False
+        task.pool = pool
+        return True
+
+    def _attach(self, slot: Slot, task: GenerateTask, pool: Pool) -> int:
+        """Make the slot's sequence start with the pool's cells; returns P (shared length)."""
+        assert pool.seq_id is not None
+        prompt = task.prompt
+        if task.pool_p is not None:
+            p = task.pool_p
+            if p > pool.prefix_len:
+                raise PoolError(
+                    409,
+                    "prefix_mismatch",
+                    f"shared_prefix_n_tokens {p} exceeds pool {pool.label!r}'s prefix_len "
+                    f"{pool.prefix_len}",
+                )
+            d = common_prefix_len(prompt[:p], pool.tokens[:p])
+            if d < p:
+                raise PoolError(
+                    409,
+                    "prefix_mismatch",
+                    f"the prompt differs from pool {pool.label!r} at token {d}, inside the "
+                    f"declared shared prefix of {p} tokens",
+                )
+        else:
+            p = common_prefix_len(prompt, pool.tokens)  # auto-P
+        p = min(p, len(prompt) - 1)  # the last prompt token is recomputed for its logits
+        own = common_prefix_len(slot.cache_tokens, prompt) if task.cache_prompt else 0
+        if p > own:
+            self.slots.forget_kv(slot)
+            self.kv.share(pool.seq_id, slot.slot_id, 0, p)
+            slot.cache_tokens.extend(prompt[:p])
+        pool.last_access_ts = time.time()
+        return p
+
+    def _begin(self, slot: Slot, task: GenerateTask) -> None:
+        now = time.perf_counter()
+        p_shared = 0
+        if task.pool is not None:
+            try:
+                p_shared = self._attach(slot, task, task.pool)
+            except PoolError as exc:
+                self._fail_pool(task, exc, "conflict_error")
+                return
+        self.slots.bind(slot, task.session_id)
+        keep = common_prefix_len(slot.cache_tokens, task.prompt)
+        if not task.cache_prompt:
+            keep = min(keep, p_shared)
+        keep = min(keep, len(task.prompt) - 1)  # the last prompt token is recomputed for logits
+        self.kv.truncate(slot.slot_id, keep)
+        del slot.cache_tokens[keep:]
+        self._update_pool_link(slot, task.pool)
+        if task.pool is not None and task.pool.seq_id is not None:
+            task.shared_prefix = self.kv.model.common_cells(slot.slot_id, task.pool.seq_id)
+        slot.shared_prefix = task.shared_prefix if slot.pool_id is not None else 0
+        sampling = task.sampling.resolved()
+        slot.sampler = self.rt.new_sampler(sampling)
+        if sampling.has_penalties:
+            n = sampling.repeat_last_n
+            for tok in task.prompt[-n:] if n > 0 else task.prompt:
+                slot.sampler.accept(tok)
+        slot.seed = sampling.seed
+        slot.task = task
+        slot.state = "prefill"
+        slot.prompt = task.prompt
+        slot.n_prompt_done = keep
+        slot.n_cached = keep
+        slot.generated = []
+        slot.pending = None
+        slot.assembler = TextAssembler(list(task.stop.stops))
+        slot.rate.reset()
+        slot.t_start = now
+        slot.t_first = 0.0
+        slot.last_used = time.time()
+        log.debug(
+            "slot %d: request %d (session %s) prompt=%d cached=%d pool=%s",
+            slot.slot_id,
+            task.task_id,
+            task.session_id,
+            len(task.prompt),
+            keep,
+            task.pool.label if task.pool else None,
+        )
+
+    def _update_pool_link(self, slot: Slot, pool: Pool | None) -> None:
+        """Keep slot.pool_id true: set while the slot's first cells are still that pool's."""
+        if pool is None and slot.pool_id is not None:
+            pool = self.pools.tree.pools.get(slot.pool_id)
+        if pool is None or pool.seq_id is None:
+            slot.pool_id = None
+            return
+        shared = self.kv.model.common_cells(slot.slot_id, pool.seq_id)
+        slot.pool_id = pool.pool_id if shared > 0 else None
+
+    # ------------------------------------------------------------------ one step
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        batch = self._batch
+        assert batch is not None
+        while True:
+            build_batch(batch, self.slots.slots, self.pools)
+            if batch.n == 0:
+                self.pools.after_decode()  # builds with nothing to prefill (L == D) finish
+                return
+            td = time.perf_counter()
+            try:
+                rc = self.rt.decode(batch)
+            except LlamaError as exc:
+                self._abort_batch(str(exc))
+                return
+            self._bump(decode_calls=1, decode_seconds=time.perf_counter() - td)
+            if rc == 0:
+                break
+            if not self._make_room():
+                return
+        self._after_decode(time.perf_counter())
+        self._bump(step_seconds=time.perf_counter() - t0)
+
+    def _abort_batch(self, reason: str) -> None:
+        """A decode failed hard: fail every request and build in the batch, forget their KV."""
+        in_batch = [s for s in self.slots.slots if s.batch_tokens and s.task is not None]
+        log.error("llama_decode failed: %s; failing %d request(s)", reason, len(in_batch))
+        msg = f"decode failed: {reason}"
+        for slot in in_batch:
+            self._fail_slot(slot, 500, "server_error", "decode_failed", msg)
+            self.slots.forget_kv(slot)
+        for build in self.pools.builds_in_batch():
+            self.pools.fail_build(build, PoolError(500, "decode_failed", msg, "server_error"))
+
+    def _shed_view(self) -> ShedView:
+        slots = self.slots.slots
+        idle = sorted(
+            (s for s in slots if s.state == "idle" and s.cache_tokens), key=lambda s: s.last_used
+        )
+        snaps = self.slots.snapshots()
+        return ShedView(
+            idle_caches=[s.slot_id for s in idle],
+            reclaimable_pools=[p.pool_id for p in self.pools.reclaimable(snaps, time.time())],
+            builds_in_batch=[b.pool.pool_id for b in self.pools.builds_in_batch()],
+            active=[
+                ActiveSlot(s.slot_id, s.state == "prefill", s.t_start)
+                for s in slots
+                if s.state != "idle"
+            ],
+        )
+
+    def _make_room(self) -> bool:
+        """llama_decode found no free KV cells: shed what ``pick_shed`` says; True to retry."""
+        self._bump(kv_full_events=1)
+        shed = pick_shed(self._shed_view())
+        if shed is None:
+            return False
+        self._apply_shed(shed)
+        return shed.action not in ("reject_prompt", "stop_session") or self._busy()
+
+    def _apply_shed(self, shed: Shed) -> None:
+        if shed.action == "drop_cache":
+            slot = self.slots[shed.target]
+            log.info("KV cache full: dropping idle slot %d's prompt cache", slot.slot_id)
+            self.slots.forget_kv(slot)
+        elif shed.action == "evict_pool":
+            pool = self.pools.tree.pools[shed.target]
+            log.info("KV cache full: evicting idle pool %s", pool.label)
+            self.pools.evict(pool, self.slots.snapshots())
+        elif shed.action == "fail_build":
+            build = next(b for b in self.pools.builds if b.pool.pool_id == shed.target)
+            msg = "KV cache full while materializing the pool; release pools or retry later"
+            self.pools.fail_build(build, PoolError(503, "kv_full", msg, "unavailable_error"))
+        elif shed.action == "defer_prompt":
+            msg = "KV cache full: retry when sessions finish"
+            self._fail_slot(self.slots[shed.target], 503, "unavailable_error", "kv_full", msg)
+        elif shed.action == "reject_prompt":
+            msg = "the prompt does not fit in the free KV cache"
+            slot = self.slots[shed.target]
+            self._fail_slot(slot, 400, "exceed_context_size_error", "prompt_too_long", msg)
+        else:
+            log.warning("KV cache full: stopping slot %d early", shed.target)
+            self._finish(self.slots[shed.target], "limit", truncated=True)
+
+    def _after_decode(self, now: float) -> None:
+        n_decoded = 0
+        n_prefilled = 0
+        for slot in self.slots.slots:
+            if slot.batch_tokens == 0:
+                continue
+            self.kv.decoded(slot.slot_id, slot.batch_tokens)
+            if slot.state == "prefill":
+                start = slot.n_prompt_done
+                slot.cache_tokens.extend(slot.prompt[start : start + slot.batch_tokens])
+                slot.n_prompt_done += slot.batch_tokens
+                n_prefilled += slot.batch_tokens
+                if slot.logits_idx < 0:
+                    continue
+                slot.t_first = now
+                slot.state = "decoding"
+                self._bump(
+                    prompt_tokens=len(slot.prompt) - slot.n_cached,
+                    prompt_seconds=now - slot.t_start,
+                    cache_tokens=slot.n_cached,
+                )
+            else:
+                assert slot.pending is not None
+                slot.cache_tokens.append(slot.pending)
+                slot.pending = None
+                n_decoded += 1
+            self._sample(slot, now)
+        n_prefilled += self.pools.after_decode()
+        self._bump(decoded_tokens=n_decoded, prefilled_tokens=n_prefilled)
+        if n_decoded:
+            self._decode_rate.add(n_decoded, now)
+        if n_prefilled:
+            self._prefill_rate.add(n_prefilled, now)
+
+    def _sample(self, slot: Slot, now: float) -> None:
+        task = slot.task
+        assert task is not None and slot.sampler is not None
+        if task.stop.n_predict == 0:
+            self._finish(slot, "limit")  # prompt processing only (e.g. to warm a cache)
+            return
+        tok = slot.sampler.sample(self.rt.ctx, slot.logits_idx)
+        slot.rate.on_token(now)
+        stop = task.stop
+        slot.generated.append(tok)
+        if self.rt.is_eog(tok) and not stop.ignore_eos:
+            self._finish(slot, "eos")
+            return
+        text = slot.assembler.push(self.rt.token_bytes(tok))
+        if text or not slot.assembler.stops:
+            task.sink.emit(TokenEvent(text, tok))
+        if slot.assembler.stopping_word is not None:
+            self._finish(slot, "word")
+            return
+        if 0 <= stop.n_predict <= len(slot.generated):
+            self._finish(slot, "limit")
+            return
+        slot.pending = tok
+        if len(slot.cache_tokens) >= slot.n_ctx:
+            # The pending token has no position left in this slot's context.
+            if self.cfg.context_shift and self._can_shift(slot):
+                self._shift_context(slot)
+            else:
+                self._finish(slot, "limit", truncated=True)
+
+    def _can_shift(self, slot: Slot) -> bool:
+        """A shift moves cell positions; cells shared with a pool or another session would
+        move for them too and corrupt them, so such a slot stops cleanly instead."""
+        assert slot.task is not None
+        n_keep = min(slot.task.n_keep, len(slot.cache_tokens) - 1)
+        if self.kv.model.shared_from(slot.slot_id, n_keep):
+            log.info(
+                "slot %d: context full; shared cells are never shifted (clean stop)", slot.slot_id
+            )
+            return False
+        return True
+
+    def _shift_context(self, slot: Slot) -> None:
+        """Drop half of the slot's history after n_keep so generation can go on."""
+        assert slot.task is not None
+        n_past = len(slot.cache_tokens)
+        n_keep = min(slot.task.n_keep, n_past - 1)
+        n_discard = (n_past - n_keep) // 2
+        self.kv.shift(slot.slot_id, n_keep, n_discard)
+        del slot.cache_tokens[n_keep : n_keep + n_discard]
+        self._bump(context_shifts=1)
+        log.info("slot %d: context shift, discarded %d tokens", slot.slot_id, n_discard)
+
+    def _finish(self, slot: Slot, stop_type: StopType, truncated: bool = False) -> None:
+        task = slot.task
+        assert task is not None
+        now = time.perf_counter()
+        tail = slot.assembler.flush()
+        if tail:
+            task.sink.emit(TokenEvent(tail, -1))
+        t_first = slot.t_first or now
+        result = GenerationResult(
+            content=slot.assembler.text,
+            tokens=list(slot.generated),
+            stop_type=stop_type,
+            stopping_word=slot.assembler.stopping_word or "",
+            truncated=truncated,
+            slot=slot.slot_id,
+            session_id=slot.session_id,
+            seed=slot.seed,
+            prompt_n=len(slot.prompt) - slot.n_cached,
+            cache_n=slot.n_cached,
+            predicted_n=len(slot.generated),
+            prompt_ms=(t_first - slot.t_start) * 1e3,
+            predicted_ms=(now - t_first) * 1e3,
+            tps_ewma=slot.rate.tps,
+            pool_id=task.pool.pool_id if task.pool is not None else None,
+            shared_prefix=task.shared_prefix,
+        )
+        self._bump(
+            requests_done=1,
+            predicted_tokens=len(slot.generated),
+            predicted_seconds=now - t_first,
+        )
+        task.sink.emit(DoneEvent(result))
+        self.slots.release(slot)
+
+    def _fail(
+        self, task: GenerateTask, status: int, type_: str, reason: Reason, message: str
+    ) -> None:
+        self._bump(requests_failed=1)
+        task.sink.emit(ErrorEvent(status, type_, message, reason))
+
+    def _fail_pool(self, task: GenerateTask, exc: PoolError, default_type: str) -> None:
+        self._fail(task, exc.status, exc.type or default_type, exc.reason, exc.message)
+
+    def _fail_slot(self, slot: Slot, status: int, type_: str, reason: Reason, message: str) -> None:
+        assert slot.task is not None
+        self._fail(slot.task, status, type_, reason, message)
+        self.slots.release(slot)
+
+    # ------------------------------------------------------------------ measurement
+
+    def measure_used_cells(self) -> int | None:
+        """llama.cpp's own count of used KV cells (needs ``kv_debug``); None if unavailable."""
+        if not self.cfg.kv_debug:
+            return None
+        return self.rt.measure_used_cells(self.n_seq_max - 1)
+
+    # ------------------------------------------------------------------ publishing
+
+    def _bump(self, **deltas: float) -> None:
+        c = self._counters
+        self._counters = replace(c, **{k: getattr(c, k) + v for k, v in deltas.items()})
+
+    def _publish(self, ready: bool | None = None) -> None:
+        now = time.perf_counter()
+        slots = tuple(self._slots.snapshots()) if self._slots is not None else ()
+        pools = (
+            tuple(
+                PoolSnapshot(p.pool_id, p.name, p.prefix_len, p.residency, p.admission)
+                for p in self._pools.tree.pools.values()
+            )
+            if self._pools is not None
+            else ()
+        )
+        rt = self.runtime
+        self.snapshot = EngineSnapshot(
+            ts=time.time(),
+            ready=self.snapshot.ready if ready is None else ready,
+            slots=slots,
+            n_waiting=len(self._waiting),
+            aggregate_tps=self._decode_rate.rate(now),
+            prefill_tps=self._prefill_rate.rate(now),
+            kv_cells_used=self._kv.used if self._kv is not None else 0,
+            kv_cells_total=rt.n_ctx if rt else 0,
+            pools=pools,
+            counters=self._counters,
+        )
+
+    def _shutdown(self) -> None:
+        msg = "server is shutting down"
+        for task in self._waiting:
+            self._fail(task, 503, "unavailable_error", "shutting_down", msg)
+        self._waiting.clear()
+        for slot in self._slots.slots if self._slots is not None else []:
+            if slot.task is not None:
+                self._fail_slot(slot, 503, "unavailable_error", "shutting_down", msg)
+        if self._pools is not None:
+            for build in list(self._pools.builds):
+                err = PoolError(503, "shutting_down", msg, "unavailable_error")
+                self._pools.fail_build(build, err)
+        self._publish(ready=False)
+        if self.runtime is not None:
+            try:
+                self.runtime.close()
+            except LlamaError:
+                log.exception("error while freeing the llama context")

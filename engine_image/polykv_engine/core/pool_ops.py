@@ -1,0 +1,72 @@
+"""Pool operations as they run on the engine thread (``Engine.call`` targets).
+
+Each function validates first (raising ``PoolError``, which changes nothing) and only then
+touches the tree or the KV cache.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from polykv_api.models import AdmissionPolicy, PoolList, PoolRef
+from polykv_engine.core.engine import Engine
+from polykv_engine.pools import listing as pool_listing
+from polykv_engine.pools.manager import CreateResult, PoolSpec
+from polykv_engine.pools.tree import Pool, PoolError
+
+Action = Literal["pin", "unpin", "evict", "flush"]
+
+
+def _enabled(e: Engine) -> None:
+    if e.pools_disabled_reason:
+        raise PoolError(501, "pools_disabled", e.pools_disabled_reason, "not_supported_error")
+
+
+def create(e: Engine, spec: PoolSpec) -> CreateResult | Pool:
+    _enabled(e)
+    return e.pools.create(spec)
+
+
+def act(e: Engine, ref: PoolRef, action: Action) -> None:
+    _enabled(e)
+    pool = e.pools.tree.resolve(ref)
+    snaps = e.slots.snapshots()
+    if action == "pin":
+        e.pools.pin(pool, True)
+    elif action == "unpin":
+        e.pools.pin(pool, False)
+    elif action == "evict":
+        e.pools.evict(pool, snaps)
+    else:
+        pools, sessions = e.pools.flush_plan(pool, snaps)
+        for s in sessions:  # idle sessions' cached suffixes go with the subtree
+            e.slots.forget_kv(e.slots[s.slot_id])
+        e.pools.flush(pools)
+
+
+def release(e: Engine, ref: PoolRef) -> int:
+    _enabled(e)
+    pool = e.pools.tree.resolve(ref)
+    e.pools.release(pool)
+    for slot in e.slots.slots:  # sessions keep the cells; they are just no longer a pool's
+        if slot.pool_id == pool.pool_id:
+            slot.pool_id = None
+    return pool.pool_id
+
+
+def listing(e: Engine, boot_id: str, ref: PoolRef | None = None) -> PoolList:
+    """Status of every pool, or of ``ref``'s subtree (the pool first)."""
+    full = pool_listing.render(
+        e.pools, e.slots.snapshots(), boot_id, e.rt.n_ctx, e.measure_used_cells()
+    )
+    return full if ref is None else pool_listing.subtree_only(full, e.pools, ref)
+
+
+def erase_slot(e: Engine, slot_id: int) -> int:
+    """llama-server's ``POST /slots/{id}?action=erase``; returns the tokens erased."""
+    return e.slots.erase(slot_id)
+
+
+def set_admission(e: Engine, ref: PoolRef, policy: AdmissionPolicy | None) -> None:
+    _enabled(e)
+    e.pools.tree.resolve(ref).admission = policy

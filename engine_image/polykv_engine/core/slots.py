@@ -1,0 +1,157 @@
+"""Decoding slots and their table: which session holds which slot, and what its KV holds.
+
+A slot is one sequence id of the unified cache (``0..n_parallel-1``) that serves one request
+at a time and keeps its cells afterwards as a prompt cache for the session's next turn.
+Engine thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from polykv_engine.core.snapshot import SlotSnapshot, SlotState
+from polykv_engine.core.tasks import GenerateTask
+from polykv_engine.core.textstream import TextAssembler
+from polykv_engine.kv.cache import KVCache
+from polykv_engine.llama.runtime import Sampler
+from polykv_engine.policy.tps import SessionRate
+from polykv_engine.pools.tree import PoolError
+
+
+@dataclass(frozen=True, slots=True)
+class SlotView:
+    """What slot choice needs to know about a slot."""
+
+    slot_id: int
+    idle: bool
+    session_id: str | None
+    cache_tokens: Sequence[int]
+    last_used: float
+
+
+@dataclass(slots=True)
+class Slot:
+    """One decoding sequence. Mutated only on the engine thread."""
+
+    slot_id: int
+    n_ctx: int
+    rate: SessionRate
+    state: SlotState = "idle"
+    cache_tokens: list[int] = field(default_factory=list)  # exactly what is in KV for this seq
+    session_id: str | None = None
+    pool_id: int | None = None  # the pool whose cells this slot's sequence starts with
+    shared_prefix: int = 0  # how many leading cells are that pool's
+    last_used: float = 0.0
+    task: GenerateTask | None = None
+    sampler: Sampler | None = None
+    prompt: list[int] = field(default_factory=list)
+    n_prompt_done: int = 0  # prompt tokens already in KV (cached or prefilled)
+    n_cached: int = 0
+    generated: list[int] = field(default_factory=list)
+    pending: int | None = None  # sampled, not yet decoded into KV
+    assembler: TextAssembler = field(default_factory=TextAssembler)
+    t_start: float = 0.0
+    t_first: float = 0.0
+    seed: int = 0
+    logits_idx: int = -1  # index in the current batch whose logits this slot samples
+    batch_tokens: int = 0  # tokens this slot put in the current batch
+
+    def view(self) -> SlotView:
+        return SlotView(
+            self.slot_id, self.state == "idle", self.session_id, self.cache_tokens, self.last_used
+        )
+
+    def snapshot(self) -> SlotSnapshot:
+        """The immutable record published to the HTTP side and read by the pool manager."""
+        task = self.task
+        n_remain = -1
+        if task is not None and task.stop.n_predict >= 0:
+            n_remain = max(task.stop.n_predict - len(self.generated), 0)
+        return SlotSnapshot(
+            slot_id=self.slot_id,
+            state=self.state,
+            task_id=task.task_id if task else None,
+            session_id=self.session_id,
+            pool_id=self.pool_id,
+            n_ctx=self.n_ctx,
+            ctx_used=len(self.cache_tokens),
+            n_prompt=len(self.prompt) if task else 0,
+            n_decoded=len(self.generated) if task else 0,
+            n_remain=n_remain,
+            tps_ewma=self.rate.tps,
+            warming=self.rate.warming,
+            last_used=self.last_used,
+            shared_prefix=self.shared_prefix if self.pool_id is not None else 0,
+        )
+
+
+class SlotTable:
+    """All slots and the session → slot affinity. Engine thread only."""
+
+    def __init__(self, slots: list[Slot], kv: KVCache) -> None:
+        self.slots = slots
+        self.kv = kv
+        self.session_slot: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __getitem__(self, slot_id: int) -> Slot:
+        return self.slots[slot_id]
+
+    def snapshots(self) -> list[SlotSnapshot]:
+        return [s.snapshot() for s in self.slots]
+
+    def bind(self, slot: Slot, session_id: str | None) -> None:
+        """Give ``slot`` to ``session_id``; the session it served before loses its affinity."""
+        if slot.session_id is not None and slot.session_id != session_id:
+            self.session_slot.pop(slot.session_id, None)
+            slot.session_id = None
+        if session_id is not None:
+            self.session_slot[session_id] = slot.slot_id
+            slot.session_id = session_id
+
+    def slot_of(self, session_id: str | None) -> int | None:
+        return self.session_slot.get(session_id) if session_id else None
+
+    def session_tokens(self, session_id: str) -> tuple[int, list[int]] | None:
+        """The slot and the tokens in KV of a known session (for pool snapshots)."""
+        slot_id = self.session_slot.get(session_id)
+        if slot_id is None:
+            return None
+        return slot_id, list(self.slots[slot_id].cache_tokens)
+
+    def forget_kv(self, slot: Slot) -> None:
+        """Drop every cell of the slot's sequence; it holds nothing afterwards."""
+        self.kv.clear(slot.slot_id)
+        slot.cache_tokens.clear()
+        slot.pool_id = None
+        slot.shared_prefix = 0
+
+    def erase(self, slot_id: int) -> int:
+        """llama-server's slot erase: an idle slot's cache and session go; returns tokens."""
+        if not 0 <= slot_id < len(self.slots):
+            raise PoolError(
+                404, "slot_not_found", f"slot {slot_id} does not exist", "not_found_error"
+            )
+        slot = self.slots[slot_id]
+        if slot.state != "idle":
+            raise PoolError(409, "slot_busy", f"slot {slot_id} is processing a request")
+        n = len(slot.cache_tokens)
+        self.forget_kv(slot)
+        self.bind(slot, None)
+        return n
+
+    def release(self, slot: Slot) -> None:
+        """Return a slot to idle. Its KV stays as a prompt cache for the next turn."""
+        # A sampled-but-undecoded token is not in KV, and a half-prefilled prompt is still a
+        # valid cached prefix: cache_tokens stays exactly what the KV holds.
+        slot.pending = None
+        if slot.sampler is not None:
+            slot.sampler.free()
+            slot.sampler = None
+        slot.task = None
+        slot.state = "idle"
+        slot.last_used = time.time()

@@ -1,0 +1,106 @@
+"""Immutable views of engine state, published by the engine thread after every step.
+
+HTTP handlers and the metrics collector read the latest ``EngineSnapshot`` (one reference
+assignment, so no lock and no round trip to the engine thread) and never see half an update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from polykv_api.models import AdmissionPolicy, PoolRef
+from polykv_engine.policy.tps import ActiveRates, active_rates
+
+SlotState = Literal["idle", "prefill", "decoding"]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSnapshot:
+    slot_id: int
+    state: SlotState
+    task_id: int | None
+    session_id: str | None
+    pool_id: int | None
+    n_ctx: int
+    ctx_used: int
+    n_prompt: int
+    n_decoded: int
+    n_remain: int
+    tps_ewma: float
+    warming: bool
+    last_used: float
+    shared_prefix: int = 0  # leading cells that are the pool's (not this session's own)
+
+    @property
+    def processing(self) -> bool:
+        return self.state != "idle"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    pool_id: int
+    name: str | None
+    prefix_len: int
+    residency: str
+    admission: AdmissionPolicy | None
+
+    @property
+    def label(self) -> str:
+        return self.name or str(self.pool_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """Monotonic totals since boot (Prometheus counters read these)."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    cache_tokens: int = 0
+    predicted_tokens: int = 0
+    predicted_seconds: float = 0.0
+    requests_done: int = 0
+    requests_cancelled: int = 0
+    requests_failed: int = 0
+    decoded_tokens: int = 0  # generated tokens, counted every step (not at request end)
+    prefilled_tokens: int = 0  # prompt and pool tokens computed, counted every step
+    busy_seconds: float = 0.0  # wall time of loop iterations that had work
+    decode_calls: int = 0
+    decode_seconds: float = 0.0
+    step_seconds: float = 0.0
+    kv_full_events: int = 0
+    context_shifts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    ts: float
+    ready: bool
+    slots: tuple[SlotSnapshot, ...] = ()
+    n_waiting: int = 0
+    aggregate_tps: float = 0.0
+    prefill_tps: float = 0.0
+    kv_cells_used: int = 0
+    kv_cells_total: int = 0
+    pools: tuple[PoolSnapshot, ...] = ()
+    counters: Counters = field(default_factory=Counters)
+
+    @property
+    def n_ctx_slot(self) -> int:
+        """Tokens one slot's context holds (every slot has the same)."""
+        return self.slots[0].n_ctx if self.slots else 0
+
+    def pool(self, ref: PoolRef) -> PoolSnapshot | None:
+        for p in self.pools:
+            if (isinstance(ref, int) and p.pool_id == ref) or p.name == ref:
+                return p
+        return None
+
+    @property
+    def n_processing(self) -> int:
+        return sum(1 for s in self.slots if s.processing)
+
+    @property
+    def active(self) -> ActiveRates:
+        """Engine-wide mean_active_tps and its parts (policy.tps is the one definition)."""
+        return active_rates((s.state == "decoding", s.warming, s.tps_ewma) for s in self.slots)

@@ -1,0 +1,99 @@
+"""Typed messages between the HTTP side and the engine thread.
+
+HTTP handlers build a ``GenerateTask`` and hand it to the engine; the engine answers through
+the task's ``EventSink`` with ``TokenEvent``s and exactly one terminal event (``DoneEvent`` or
+``ErrorEvent``). Nothing else crosses the thread boundary.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from polykv_api.models import PoolRef, Reason
+from polykv_engine.llama.sampling import SamplingParams, StopParams
+
+if TYPE_CHECKING:
+    from polykv_engine.pools.tree import Pool
+
+_task_ids = itertools.count(1)
+
+
+def next_task_id() -> int:
+    return next(_task_ids)
+
+
+StopType = Literal["eos", "word", "limit", "none"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    text: str
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    content: str
+    tokens: list[int]
+    stop_type: StopType
+    stopping_word: str
+    truncated: bool
+    slot: int
+    session_id: str | None
+    seed: int
+    prompt_n: int  # prompt tokens computed for this request
+    cache_n: int  # prompt tokens reused from the KV cache
+    predicted_n: int
+    prompt_ms: float
+    predicted_ms: float
+    tps_ewma: float
+    pool_id: int | None = None
+    shared_prefix: int = 0  # leading prompt tokens whose KV cells are the pool's
+
+    @property
+    def n_prompt_tokens(self) -> int:
+        return self.prompt_n + self.cache_n
+
+
+@dataclass(frozen=True, slots=True)
+class DoneEvent:
+    result: GenerationResult
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorEvent:
+    status: int
+    type: str
+    message: str
+    reason: Reason = "internal"
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent
+
+
+class EventSink(Protocol):
+    """Receives a task's events. ``emit`` is called from the engine thread."""
+
+    def emit(self, event: Event) -> None: ...
+
+
+@dataclass(slots=True)
+class GenerateTask:
+    prompt: list[int]
+    sampling: SamplingParams
+    stop: StopParams
+    sink: EventSink
+    session_id: str | None = None
+    id_slot: int = -1
+    cache_prompt: bool = True
+    n_keep: int = 0
+    pool_ref: PoolRef | None = None  # attach to this pool (id or name)
+    pool_p: int | None = None  # explicit shared prefix length; None = auto-P
+    task_id: int = field(default_factory=next_task_id)
+    submitted_at: float = 0.0
+    # Filled in on the engine thread:
+    pool: Pool | None = None
+    pool_fallback: str | None = None  # why the pool could not be used (served without it)
+    shared_prefix: int = 0

@@ -1,0 +1,1 @@
+"""The asyncio side: the aiohttp app, routes, keys, errors, the admission gate, metrics."""

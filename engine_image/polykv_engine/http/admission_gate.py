@@ -1,0 +1,215 @@
+"""The admission gate on the request path (asyncio side; never blocks the engine thread).
+
+It reads the engine's published snapshot, keeps each pool's settle/drop state, answers
+``/capacity``, and for an enforced policy decides whether a NEW session may attach:
+reject (429 + Retry-After), warn (admit + X-Sessions-Remaining), or queue (hold, bounded).
+A known session is a continuation and is never gated; ``"overcommit": true`` bypasses the
+gate and is logged. While the last admit is still settling the attach is held briefly, not
+refused: spawns slow down just enough, never fail for settling alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter
+
+from polykv_api.models import AdmissionReason, Capacity, Reason
+from polykv_engine.core.engine import Engine
+from polykv_engine.core.snapshot import EngineSnapshot, PoolSnapshot
+from polykv_engine.core.tasks import GenerateTask
+from polykv_engine.http.errors import ApiError
+from polykv_engine.policy.admission import (
+    REASON_SETTLING,
+    EngineView,
+    PoolAdmissionState,
+    SessionView,
+    capacity,
+    retry_after_s,
+)
+
+log = logging.getLogger("polykv.admission")
+
+# The error reason a refused attach carries, by the admission verdict's code.
+GATE_REASONS: dict[AdmissionReason, Reason] = {
+    "ok": "tps_floor",
+    "guaranteed": "tps_floor",
+    "settling": "settling",
+    "tps_floor": "tps_floor",
+    "kv_headroom": "kv_headroom",
+    "context_headroom": "context_headroom",
+}
+
+POLL_S = 0.05
+
+
+def engine_view(snap: EngineSnapshot, pool: PoolSnapshot) -> EngineView:
+    sessions = tuple(
+        SessionView(
+            task_id=s.task_id,
+            decoding=s.state == "decoding",
+            warming=s.warming and s.processing,
+            tps_ewma=s.tps_ewma,
+            n_decoded=s.n_decoded,
+            in_pool=s.pool_id == pool.pool_id,
+            ctx_used=s.ctx_used,
+            private_tokens=max(0, s.ctx_used - s.shared_prefix),
+        )
+        for s in snap.slots
+    )
+    return EngineView(
+        sessions=sessions,
+        free_cells=max(0, snap.kv_cells_total - snap.kv_cells_used),
+        total_cells=snap.kv_cells_total,
+        n_ctx_slot=snap.n_ctx_slot,
+        idle_slots=sum(1 for s in snap.slots if not s.processing),
+        pool_prefix_len=pool.prefix_len,
+    )
+
+
+class AdmissionGate:
+    def __init__(self, engine: Engine, registry: CollectorRegistry) -> None:
+        self.engine = engine
+        self.states: dict[int, PoolAdmissionState] = {}
+        self.admits = Counter(
+            "polykv_pool_admits", "New sessions admitted to a pool", ["pool"], registry=registry
+        )
+        self.rejects = Counter(
+            "polykv_pool_rejects",
+            "New sessions refused by an enforced policy",
+            ["pool", "reason"],
+            registry=registry,
+        )
+        self.holds = Counter(
+            "polykv_pool_holds",
+            "Attaches held while a pool settled or queued",
+            ["pool"],
+            registry=registry,
+        )
+        self.overcommits = Counter(
+            "polykv_pool_overcommits",
+            "Attaches that bypassed the gate",
+            ["pool"],
+            registry=registry,
+        )
+        self.prefix_hits = Counter(
+            "polykv_pool_prefix_hits",
+            "Requests that reused a pool's cached prefix",
+            ["pool"],
+            registry=registry,
+        )
+        self._updater: asyncio.Task[None] | None = None
+
+    def state(self, pool_id: int) -> PoolAdmissionState:
+        return self.states.setdefault(pool_id, PoolAdmissionState())
+
+    # ------------------------------------------------------------------ background
+
+    def start(self) -> None:
+        self._updater = asyncio.get_running_loop().create_task(self._update_loop())
+
+    async def stop(self) -> None:
+        if self._updater is not None:
+            self._updater.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._updater
+
+    async def _update_loop(self) -> None:
+        while True:
+            self.tick(time.monotonic())
+            await asyncio.sleep(POLL_S)
+
+    def tick(self, now: float) -> None:
+        """Close settle windows promptly (a drop is measured when it settles) and keep each
+        policed pool's last settled mean current."""
+        snap = self.engine.snapshot
+        live = {p.pool_id for p in snap.pools}
+        for pid in [pid for pid in self.states if pid not in live]:
+            del self.states[pid]  # the pool was released
+        for pool in snap.pools:
+            if pool.admission is None:
+                continue
+            st = self.state(pool.pool_id)  # keeps the settled mean fresh even between admits
+            if st.update(pool.admission, engine_view(snap, pool), now):
+                log.debug("pool %s: settled, drop factor %s", pool.label, st.drop_factor)
+
+    # ------------------------------------------------------------------ questions
+
+    def capacity(
+        self, pool: PoolSnapshot, expected_tokens: int | None, session_id: str | None
+    ) -> Capacity:
+        snap = self.engine.snapshot
+        now = time.monotonic()
+        st = self.state(pool.pool_id)
+        view = engine_view(snap, pool)
+        if pool.admission is not None:
+            st.update(pool.admission, view, now)
+        known = session_id is not None and any(s.session_id == session_id for s in snap.slots)
+        return capacity(pool.admission, st, view, now, expected_tokens, known)
+
+    async def admit(self, task: GenerateTask, overcommit: bool) -> dict[str, str]:
+        """Gate a request that attaches to a pool. Returns headers to add; raises 429."""
+        if task.pool_ref is None:
+            return {}
+        pool = self.engine.snapshot.pool(task.pool_ref)
+        if pool is None or pool.admission is None:
+            return {}  # unknown pools fail in the engine with 404; no policy, no gate
+        policy = pool.admission
+        snap = self.engine.snapshot
+        if task.session_id is not None and any(s.session_id == task.session_id for s in snap.slots):
+            return {}  # continuation: never gated
+        if overcommit:
+            log.warning("pool %s: overcommit requested, gate bypassed", pool.label)
+            self.overcommits.labels(pool.label).inc()
+            self._record(pool, task)
+            return {}
+        cap = self.capacity(pool, None, None)
+        enforced = policy.mode == "enforced"
+        if enforced and cap.reason == REASON_SETTLING:
+            # Slow the spawn just enough: wait for the settle, then decide.
+            self.holds.labels(pool.label).inc()
+            cap = await self._wait(pool, (policy.settle_max_ms + 1000) / 1e3, settle_only=True)
+        if enforced and not cap.can_admit and policy.on_saturation == "queue":
+            self.holds.labels(pool.label).inc()
+            cap = await self._wait(pool, policy.queue_max_ms / 1e3, settle_only=False)
+        headers: dict[str, str] = {}
+        if enforced and not cap.can_admit:
+            if policy.on_saturation == "warn":
+                headers["X-Sessions-Remaining"] = str(cap.headroom_sessions)
+            else:
+                self.rejects.labels(pool.label, cap.reason).inc()
+                raise ApiError(
+                    429,
+                    f"pool {pool.label!r} cannot admit a new session: {cap.reason}",
+                    "rate_limit_error",
+                    reason=GATE_REASONS[cap.reason_code],
+                    headers={"Retry-After": str(retry_after_s(cap, policy))},
+                    extra={"pool": pool.label},
+                )
+        elif enforced and policy.on_saturation == "warn":
+            headers["X-Sessions-Remaining"] = str(max(0, cap.headroom_sessions - 1))
+        self._record(pool, task)
+        return headers
+
+    def finished(self, task: GenerateTask) -> None:
+        """The request ended: count a prefix hit when it reused the pool's cells."""
+        if task.pool is not None and task.shared_prefix > 0:
+            self.prefix_hits.labels(task.pool.label).inc()
+
+    def _record(self, pool: PoolSnapshot, task: GenerateTask) -> None:
+        self.admits.labels(pool.label).inc()
+        view = engine_view(self.engine.snapshot, pool)
+        self.state(pool.pool_id).record_admit(task.task_id, view, time.monotonic())
+
+    async def _wait(self, pool: PoolSnapshot, limit_s: float, settle_only: bool) -> Capacity:
+        deadline = time.monotonic() + limit_s
+        while True:
+            current = self.engine.snapshot.pool(pool.pool_id) or pool
+            cap = self.capacity(current, None, None)
+            done = not cap.settling if settle_only else cap.can_admit
+            if done or time.monotonic() >= deadline:
+                return cap
+            await asyncio.sleep(POLL_S)

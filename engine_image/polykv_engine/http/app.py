@@ -1,0 +1,130 @@
+"""The aiohttp application: middlewares (errors, auth, metrics), routes, and lifecycle.
+
+Graceful shutdown on SIGTERM/SIGINT: /health turns 503 at once (readiness fails, the
+Service stops routing here), new requests get 503 + Retry-After, in-flight requests get up
+to ``shutdown_timeout_s`` to finish, then the engine thread frees the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from polykv_engine.core.engine import Engine
+from polykv_engine.http.admission_gate import AdmissionGate
+from polykv_engine.http.app_context import APP_KEY, AppContext, ServerSettings
+from polykv_engine.http.auth import auth_middleware
+from polykv_engine.http.errors import DEFAULT_REASONS, ApiError
+from polykv_engine.http.metrics import build_registry
+from polykv_engine.http.routes import inference, info, pools
+
+log = logging.getLogger("polykv.http")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+HTTP_COUNTER = web.AppKey("http_counter", object)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPRequestEntityTooLarge as exc:
+        return ApiError(413, f"request body too large: {exc.text}").response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = (
+            exc.reason if exc.status != 404 else f"no route for {request.method} {request.path}"
+        )
+        return ApiError(
+            exc.status,
+            message,
+            headers={"Allow": exc.headers.get("Allow", "")} if exc.status == 405 else None,
+            reason=DEFAULT_REASONS.get(exc.status, "invalid_request"),
+        ).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return ApiError(500, "internal server error (logged)", "server_error").response()
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    resp = await handler(request)
+    route = request.match_info.route.resource
+    template = route.canonical if route is not None else "unmatched"
+    counter = request.app[HTTP_COUNTER]
+    counter.labels(template, str(resp.status)).inc()  # type: ignore[attr-defined]
+    return resp
+
+
+def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
+    app = web.Application(
+        middlewares=[metrics_middleware, error_middleware, auth_middleware],
+        client_max_size=settings.max_body_bytes,
+    )
+    ctx = AppContext(engine=engine, settings=settings)
+    app[APP_KEY] = ctx
+    registry, http_counter = build_registry(lambda: engine.snapshot, lambda: ctx.pool_gauges)
+    ctx.gate = AdmissionGate(engine, registry)
+    app[info.METRICS_REGISTRY] = registry
+    app[HTTP_COUNTER] = http_counter
+    info.add_routes(app)
+    inference.add_routes(app)
+    pools.add_routes(app)
+
+    async def start_gate(_: web.Application) -> None:
+        ctx.gate.start()  # type: ignore[union-attr]
+
+    async def stop_gate(_: web.Application) -> None:
+        await ctx.gate.stop()  # type: ignore[union-attr]
+
+    app.on_startup.append(start_gate)
+    app.on_cleanup.append(stop_gate)
+    return app
+
+
+async def serve(
+    engine: Engine, settings: ServerSettings, ready: asyncio.Event | None = None
+) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    app = create_app(engine, settings)
+    ctx = app[APP_KEY]
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    log.info("listening on http://%s:%d", settings.host, settings.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine.start()
+    await asyncio.to_thread(engine.wait_ready)
+    if engine.load_error is not None:
+        await runner.cleanup()
+        return 1
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("shutting down: draining for up to %.0fs", settings.shutdown_timeout_s)
+    ctx.draining = True
+    deadline = time.monotonic() + settings.shutdown_timeout_s
+    while time.monotonic() < deadline:
+        snap = engine.snapshot
+        if snap.n_processing == 0 and snap.n_waiting == 0:
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.to_thread(engine.stop)
+    await runner.cleanup()
+    log.info("stopped")
+    return 0

@@ -1,0 +1,121 @@
+"""Prometheus metrics, read from the engine's published snapshot at scrape time.
+
+Names carry the ``polykv_`` prefix (underscores only; colons belong to recording rules) and
+labels stay low-cardinality: never a session id or prompt text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from polykv_engine.core.snapshot import EngineSnapshot
+
+_COUNTERS: list[tuple[str, str, str]] = [
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens computed (not served from cache)"),
+    ("prompt_seconds", "prompt_seconds", "Time spent processing prompts"),
+    ("prompt_cache_tokens", "cache_tokens", "Prompt tokens reused from the KV cache"),
+    ("tokens_predicted", "predicted_tokens", "Generated tokens"),
+    ("tokens_predicted_seconds", "predicted_seconds", "Time spent generating"),
+    ("tokens_decoded", "decoded_tokens", "Generated tokens, counted at every step"),
+    ("tokens_prefilled", "prefilled_tokens", "Prompt and pool tokens computed, every step"),
+    ("loop_busy_seconds", "busy_seconds", "Engine loop time spent on iterations with work"),
+    ("decode_calls", "decode_calls", "llama_decode calls (engine steps)"),
+    ("decode_seconds", "decode_seconds", "Time spent inside llama_decode"),
+    ("step_seconds", "step_seconds", "Time spent in engine steps, decode included"),
+    ("kv_cache_full", "kv_full_events", "Times llama_decode found no free KV cells"),
+    ("context_shifts", "context_shifts", "Context shifts performed"),
+]
+
+
+class EngineCollector(Collector):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        c = snap.counters
+        for name, attr, doc in _COUNTERS:
+            yield CounterMetricFamily(f"polykv_{name}", doc, value=getattr(c, attr))
+        requests = CounterMetricFamily(
+            "polykv_requests", "Completion requests by outcome", labels=["outcome"]
+        )
+        requests.add_metric(["done"], c.requests_done)
+        requests.add_metric(["cancelled"], c.requests_cancelled)
+        requests.add_metric(["failed"], c.requests_failed)
+        yield requests
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"polykv_{name}", doc, value=value)
+
+        yield gauge("ready", "1 when the model is loaded and serving", 1.0 if snap.ready else 0.0)
+        yield gauge("slots_total", "Decoding slots (--parallel)", len(snap.slots))
+        yield gauge("requests_processing", "Requests holding a slot", snap.n_processing)
+        yield gauge("requests_deferred", "Requests waiting for a slot", snap.n_waiting)
+        yield gauge("aggregate_decode_tps", "Decoded tokens/s, all sessions", snap.aggregate_tps)
+        yield gauge("prefill_tps", "Prompt tokens/s processed", snap.prefill_tps)
+        active = snap.active
+        yield gauge(
+            "mean_active_tps",
+            "Mean experienced decode tps of decoding, non-warming sessions",
+            active.mean,
+        )
+        yield gauge("sessions_warming", "Sessions decoding with no rate yet", active.n_warming)
+        yield gauge("kv_cells_used", "KV cells holding tokens", snap.kv_cells_used)
+        yield gauge("kv_cells_total", "KV cells in the cache", snap.kv_cells_total)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolGauges:
+    """Per-pool values, computed by the /metrics handler just before a scrape."""
+
+    label: str
+    sessions: int
+    own_kv_bytes: int
+    subtree_kv_bytes: int
+    gen_throughput_tps: float
+    mean_active_tps: float
+    compaction_pressure: float
+
+
+_POOL_GAUGES: list[tuple[str, str]] = [
+    ("sessions", "Sessions attached to the pool"),
+    ("own_kv_bytes", "KV bytes of the pool's own range [D, L)"),
+    ("subtree_kv_bytes", "KV bytes of the pool, its descendants and their sessions"),
+    ("gen_throughput_tps", "Decode tokens/s of the pool's sessions"),
+    ("mean_active_tps", "Mean experienced tps of the pool's decoding sessions"),
+    ("compaction_pressure", "0..1: how close the pool's sessions are to running out of KV"),
+]
+
+
+class PoolCollector(Collector):
+    def __init__(self, gauges: Callable[[], list[PoolGauges]]) -> None:
+        self._gauges = gauges
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self._gauges()
+        for attr, doc in _POOL_GAUGES:
+            fam = GaugeMetricFamily(f"polykv_pool_{attr}", doc, labels=["pool"])
+            for row in rows:
+                fam.add_metric([row.label], float(getattr(row, attr)))
+            yield fam
+
+
+def build_registry(
+    snapshot: Callable[[], EngineSnapshot], pool_gauges: Callable[[], list[PoolGauges]]
+) -> tuple[CollectorRegistry, Counter]:
+    """A registry of its own (tests run several engines in one process)."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(EngineCollector(snapshot))
+    registry.register(PoolCollector(pool_gauges))
+    http = Counter(
+        "polykv_http_requests",
+        "HTTP requests by route template and status code",
+        ["route", "code"],
+        registry=registry,
+    )
+    return registry, http

@@ -1,0 +1,1 @@
+"""Route handlers: inference (llama-server / OpenAI), info, pools."""

@@ -1,0 +1,278 @@
+"""Inference routes: /completion, /v1/completions, /v1/chat/completions, /tokenize, /detokenize.
+
+Handlers parse and validate at the edge, turn the request into a ``GenerateTask``, and relay
+the engine's events as one JSON body or as SSE. A client that goes away cancels its task, so
+its slot is freed at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from polykv_api.models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OAICompletionRequest,
+    PoolRef,
+    SamplingFields,
+    TokenizeRequest,
+)
+from polykv_engine.core.tasks import (
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    GenerateTask,
+    GenerationResult,
+    TokenEvent,
+)
+from polykv_engine.http.app_context import AppContext, ctx_of
+from polykv_engine.http.errors import ApiError, parse
+from polykv_engine.http.responses import ResponseBuilder, Route
+from polykv_engine.llama.sampling import SamplingParams, StopParams
+
+log = logging.getLogger("polykv.http")
+
+IGNORED_HEADER = "X-PolyKV-Ignored-Fields"
+
+
+class QueueSink:
+    """Carries engine events into the asyncio loop (``emit`` runs on the engine thread)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def emit(self, event: Event) -> None:
+        self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+def _task_from(
+    req: SamplingFields, prompt: list[int], n_predict: int, request: web.Request, sink: QueueSink
+) -> GenerateTask:
+    session = req.session_id or request.headers.get("x-session-id") or None
+    if session is not None and len(session) > 256:
+        raise ApiError(400, "x-session-id: at most 256 characters")
+    return GenerateTask(
+        prompt=prompt,
+        sampling=SamplingParams(**{f: getattr(req, f) for f in SamplingParams.field_names()}),
+        stop=StopParams(n_predict=n_predict, stops=tuple(req.stop), ignore_eos=req.ignore_eos),
+        sink=sink,
+        session_id=session,
+        id_slot=req.id_slot,
+        cache_prompt=req.cache_prompt,
+        pool_ref=_pool_ref(req),
+        pool_p=req.shared_prefix_n_tokens,
+    )
+
+
+def _pool_ref(req: SamplingFields) -> PoolRef | None:
+    ref = req.pool_ref()
+    if isinstance(ref, str) and ref.isdigit():
+        return int(ref)
+    if req.shared_prefix_n_tokens is not None and ref is None:
+        raise ApiError(400, "shared_prefix_n_tokens needs pool_id (or shared_pool_slot)")
+    return ref
+
+
+def _headers(req: SamplingFields, task: GenerateTask) -> dict[str, str]:
+    """Known once the task holds a slot: its first event has arrived."""
+    headers: dict[str, str] = {}
+    ignored = req.ignored_fields()
+    if ignored:
+        headers[IGNORED_HEADER] = ",".join(ignored)
+    if task.session_id:
+        headers["x-session-id"] = task.session_id
+    if task.pool is not None:
+        headers["x-pool-id"] = str(task.pool.pool_id)
+        headers["x-cached-prefix-tokens"] = str(task.shared_prefix)
+    if task.pool_fallback is not None:
+        headers["x-pool-fallback"] = task.pool_fallback
+    return headers
+
+
+async def _run(
+    request: web.Request,
+    ctx: AppContext,
+    req: SamplingFields,
+    task: GenerateTask,
+    sink: QueueSink,
+    builder: ResponseBuilder,
+    include_usage: bool = False,
+) -> web.StreamResponse:
+    if ctx.draining:
+        raise ApiError(
+            503, "server is shutting down", headers={"Retry-After": "5"}, reason="shutting_down"
+        )
+    assert ctx.gate is not None
+    extra_headers = await ctx.gate.admit(task, req.overcommit)
+    ctx.engine.submit(task)
+    done = False
+    try:
+        if req.stream:
+            resp = await _stream(request, req, task, sink, builder, include_usage, extra_headers)
+        else:
+            resp = await _whole(req, task, sink, builder, extra_headers)
+        done = True
+        return resp
+    finally:
+        ctx.gate.finished(task)
+        if not done:
+            # Client gone (handler cancelled) or write failed: free the slot now.
+            ctx.engine.cancel(task.task_id)
+
+
+async def _whole(
+    req: SamplingFields,
+    task: GenerateTask,
+    sink: QueueSink,
+    builder: ResponseBuilder,
+    extra_headers: dict[str, str],
+) -> web.Response:
+    parts: list[str] = []
+    while True:
+        ev = await sink.queue.get()
+        if isinstance(ev, TokenEvent):
+            parts.append(ev.text)
+        elif isinstance(ev, DoneEvent):
+            return web.json_response(
+                builder.final(ev.result, "".join(parts)),
+                headers={**_headers(req, task), **extra_headers},
+            )
+        else:
+            raise ApiError(ev.status, ev.message, ev.type, reason=ev.reason)
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+async def _stream(
+    request: web.Request,
+    req: SamplingFields,
+    task: GenerateTask,
+    sink: QueueSink,
+    builder: ResponseBuilder,
+    include_usage: bool,
+    extra_headers: dict[str, str],
+) -> web.StreamResponse:
+    # Wait for the first event before sending headers, so an error before any token
+    # (e.g. a full KV cache) is still a proper HTTP status instead of an SSE error event.
+    first = await sink.queue.get()
+    if isinstance(first, ErrorEvent):
+        raise ApiError(first.status, first.message, first.type, reason=first.reason)
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            **_headers(req, task),
+            **extra_headers,
+        }
+    )
+    await resp.prepare(request)
+    ev: Event = first
+    result: GenerationResult | None = None
+    while True:
+        if isinstance(ev, TokenEvent):
+            chunk = builder.chunk(ev.text, ev.token)
+            if chunk is not None:
+                await resp.write(_sse(chunk))
+        elif isinstance(ev, DoneEvent):
+            result = ev.result
+            for final in builder.stream_final(result):
+                await resp.write(_sse(final))
+            break
+        else:
+            await resp.write(
+                _sse(ApiError(ev.status, ev.message, ev.type, reason=ev.reason).body())
+            )
+            break
+        ev = await sink.queue.get()
+    if builder.route != "completion":
+        if include_usage and result is not None:
+            await resp.write(_sse(builder.usage_chunk(result)))
+        await resp.write(_sse("[DONE]"))
+    await resp.write_eof()
+    return resp
+
+
+# ---------------------------------------------------------------------------- handlers
+
+
+async def completion(request: web.Request) -> web.StreamResponse:
+    """llama-server's native completion route."""
+    ctx = ctx_of(request)
+    req = await parse(request, CompletionRequest)
+    prompt = ctx.tokenize_prompt(req.prompt)
+    sink = QueueSink(asyncio.get_running_loop())
+    task = _task_from(req, prompt, req.n_predict, request, sink)
+    return await _run(request, ctx, req, task, sink, ResponseBuilder("completion", ctx.model_name))
+
+
+async def oai_completion(request: web.Request) -> web.StreamResponse:
+    ctx = ctx_of(request)
+    req = await parse(request, OAICompletionRequest)
+    prompt = ctx.tokenize_prompt(req.prompt)
+    sink = QueueSink(asyncio.get_running_loop())
+    n_predict = -1 if req.max_tokens is None else req.max_tokens
+    task = _task_from(req, prompt, n_predict, request, sink)
+    echo = req.prompt if req.echo and isinstance(req.prompt, str) else None
+    builder = ResponseBuilder("oai_completion", req.model or ctx.model_name, echo)
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await _run(request, ctx, req, task, sink, builder, usage)
+
+
+async def oai_chat(request: web.Request) -> web.StreamResponse:
+    ctx = ctx_of(request)
+    req = await parse(request, ChatCompletionRequest)
+    text = ctx.render_chat(req)
+    prompt = ctx.check_prompt_fits(ctx.rt.tokenize(text, add_special=True, parse_special=True))
+    sink = QueueSink(asyncio.get_running_loop())
+    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    task = _task_from(req, prompt, -1 if limit is None else limit, request, sink)
+    route: Route = "oai_chat"
+    builder = ResponseBuilder(route, req.model or ctx.model_name)
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await _run(request, ctx, req, task, sink, builder, usage)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    req = await parse(request, TokenizeRequest)
+    rt = ctx.rt
+    tokens = rt.tokenize(req.content, req.add_special, req.parse_special)
+    if not req.with_pieces:
+        return web.json_response({"tokens": tokens})
+    pieces = []
+    for t in tokens:
+        raw = rt.token_bytes(t, special=True)
+        try:
+            piece: str | list[int] = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)  # a fragment of a multi-byte character: bytes, as llama-server
+        pieces.append({"id": t, "piece": piece})
+    return web.json_response({"tokens": pieces})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    req = await parse(request, DetokenizeRequest)
+    rt = ctx.rt
+    ctx.check_token_ids(req.tokens)
+    return web.json_response({"content": rt.detokenize(req.tokens, special=True)})
+
+
+def add_routes(app: web.Application) -> None:
+    for path in ("/completion", "/completions"):
+        app.router.add_post(path, completion)
+    app.router.add_post("/v1/completions", oai_completion)
+    for path in ("/v1/chat/completions", "/chat/completions"):
+        app.router.add_post(path, oai_chat)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)

@@ -1,0 +1,232 @@
+"""Read-only routes: /health, /props, /slots, /v1/models, /polykv/tps, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from polykv_api.models import PolykvProps, SessionTps, TpsSnapshot
+from polykv_engine import __version__
+from polykv_engine.core import pool_ops
+from polykv_engine.core.snapshot import EngineSnapshot
+from polykv_engine.http.app_context import AppContext, ctx_of
+from polykv_engine.http.errors import ApiError
+from polykv_engine.http.metrics import PoolGauges
+
+METRICS_REGISTRY = web.AppKey("metrics_registry", object)
+
+
+async def health(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    if ctx.engine.load_error is not None:
+        raise ApiError(500, f"model failed to load: {ctx.engine.load_error}", "server_error")
+    if ctx.draining:
+        raise ApiError(
+            503, "server is shutting down", headers={"Retry-After": "5"}, reason="shutting_down"
+        )
+    if not ctx.engine.ready:
+        raise ApiError(503, "Loading model", headers={"Retry-After": "1"}, reason="loading")
+    return web.json_response({"status": "ok"})
+
+
+def polykv_props(ctx: AppContext) -> PolykvProps:
+    rt = ctx.rt
+    cfg = ctx.engine.cfg
+    return PolykvProps(
+        boot_id=ctx.boot_id,
+        version=__version__,
+        n_parallel=cfg.n_parallel,
+        max_pools=cfg.max_pools,
+        seq_ids_max=ctx.engine.n_seq_max,
+        kv_unified=cfg.runtime.kv_unified,
+        n_ctx=rt.n_ctx,
+        n_ctx_slot=ctx.engine.snapshot.n_ctx_slot,
+        kv_bytes_per_token=rt.kv_bytes_per_token,
+        tps_window_tokens=cfg.tps_window_tokens,
+        tps_window_seconds=cfg.tps_window_s,
+        tps_stream_interval_ms=ctx.settings.tps_stream_interval_ms,
+        context_shift=cfg.context_shift,
+    )
+
+
+async def props(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    rt = ctx.rt
+    info = rt.info
+    n_ctx_slot = ctx.engine.snapshot.n_ctx_slot
+    body: dict[str, Any] = {
+        "default_generation_settings": {
+            "n_ctx": n_ctx_slot,
+            "params": {
+                "temperature": 0.8,
+                "top_k": 40,
+                "top_p": 0.95,
+                "min_p": 0.05,
+                "n_predict": -1,
+            },
+        },
+        "total_slots": ctx.engine.cfg.n_parallel,
+        "model_alias": ctx.model_name,
+        "model_path": info.path,
+        "modalities": {"vision": False, "audio": False},
+        "chat_template": ctx.renderer.source,
+        "bos_token": rt.token_bytes(info.bos, special=True).decode("utf-8", "replace"),
+        "eos_token": rt.token_bytes(info.eos, special=True).decode("utf-8", "replace"),
+        "build_info": f"polykv-{__version__}",
+        "polykv": polykv_props(ctx).model_dump(),
+    }
+    return web.json_response(body)
+
+
+async def slots(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    ctx.require_ready()
+    out = []
+    for s in ctx.engine.snapshot.slots:
+        out.append(
+            {
+                "id": s.slot_id,
+                "id_task": s.task_id if s.task_id is not None else -1,
+                "n_ctx": s.n_ctx,
+                "is_processing": s.processing,
+                "state": s.state,
+                "session_id": s.session_id,
+                "pool_id": s.pool_id,
+                "tps_ewma": s.tps_ewma,
+                "warming": s.warming and s.processing,
+                "ctx_used": s.ctx_used,
+                "ctx_headroom_tokens": s.n_ctx - s.ctx_used,
+                "next_token": {
+                    "has_next_token": s.processing,
+                    "n_remain": s.n_remain,
+                    "n_decoded": s.n_decoded,
+                },
+            }
+        )
+    return web.json_response(out)
+
+
+async def models(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    info = ctx.rt.info
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": ctx.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "polykv",
+                    "meta": {
+                        "n_vocab": info.n_vocab,
+                        "n_ctx_train": info.n_ctx_train,
+                        "n_embd": info.n_embd,
+                        "n_params": info.n_params,
+                        "size": info.size_bytes,
+                    },
+                }
+            ],
+        }
+    )
+
+
+def tps_snapshot(snap: EngineSnapshot) -> TpsSnapshot:
+    sessions = [
+        SessionTps(
+            session_id=s.session_id,
+            slot=s.slot_id,
+            pool_id=s.pool_id,
+            state=s.state,
+            tps_ewma=s.tps_ewma,
+            warming=s.warming and s.processing,
+            ctx_used=s.ctx_used,
+            ctx_total=s.n_ctx,
+            ctx_headroom_tokens=s.n_ctx - s.ctx_used,
+        )
+        for s in snap.slots
+        if s.processing or s.session_id is not None
+    ]
+    active = snap.active
+    return TpsSnapshot(
+        ts=snap.ts,
+        aggregate_tps=snap.aggregate_tps,
+        prefill_tps=snap.prefill_tps,
+        mean_active_tps=active.mean,
+        n_active=active.n_active,
+        n_warming=active.n_warming,
+        sessions=sessions,
+    )
+
+
+async def polykv_tps(request: web.Request) -> web.StreamResponse:
+    """One JSON snapshot, or an SSE stream when the client accepts text/event-stream."""
+    ctx = ctx_of(request)
+    ctx.require_ready()
+    if "text/event-stream" not in request.headers.get("Accept", ""):
+        return web.json_response(tps_snapshot(ctx.engine.snapshot).model_dump())
+    interval_ms = ctx.settings.tps_stream_interval_ms
+    raw = request.query.get("interval_ms")
+    if raw is not None:
+        if not raw.isdigit() or not 50 <= int(raw) <= 60_000:
+            raise ApiError(400, "interval_ms: an integer between 50 and 60000")
+        interval_ms = int(raw)
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    while not ctx.draining:
+        data = json.dumps(tps_snapshot(ctx.engine.snapshot).model_dump())
+        await resp.write(f"data: {data}\n\n".encode())
+        await asyncio.sleep(interval_ms / 1e3)
+    await resp.write_eof()
+    return resp
+
+
+async def _pool_gauges(ctx: AppContext) -> list[PoolGauges]:
+    listing = await asyncio.wrap_future(ctx.engine.call(lambda e: pool_ops.listing(e, ctx.boot_id)))
+    assert ctx.gate is not None
+    snap = ctx.engine.snapshot
+    rows = []
+    for p in listing.pools:
+        decoding = [s.tps_ewma for s in p.sessions if s.state == "decoding"]
+        pool = snap.pool(p.pool_id)
+        pressure = ctx.gate.capacity(pool, None, None).compaction_pressure if pool else 0.0
+        rows.append(
+            PoolGauges(
+                label=p.name or str(p.pool_id),
+                sessions=len(p.sessions),
+                own_kv_bytes=p.own_kv_bytes,
+                subtree_kv_bytes=p.subtree_kv_bytes,
+                gen_throughput_tps=sum(decoding),
+                mean_active_tps=p.mean_active_tps,
+                compaction_pressure=pressure,
+            )
+        )
+    return rows
+
+
+async def metrics(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    if not ctx.settings.metrics:
+        raise ApiError(501, "metrics are disabled; start the engine with --metrics")
+    if ctx.engine.ready and ctx.engine.snapshot.pools:
+        ctx.pool_gauges = await _pool_gauges(ctx)
+    registry: Any = request.app[METRICS_REGISTRY]
+    body = generate_latest(registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def add_routes(app: web.Application) -> None:
+    for path in ("/health", "/v1/health"):
+        app.router.add_get(path, health)
+    app.router.add_get("/props", props)
+    app.router.add_get("/slots", slots)
+    for path in ("/v1/models", "/models"):
+        app.router.add_get(path, models)
+    app.router.add_get("/polykv/tps", polykv_tps)
+    app.router.add_get("/metrics", metrics)

@@ -1,0 +1,263 @@
+"""``/polykv/pools`` routes: create, fork, pin/unpin/evict/flush, release, status.
+
+Mutating routes need the admin key (``--polykv-admin-key``, else ``--api-key``). Every route
+that takes a pool id also takes the pool's name: ids are per replica, names are not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from polykv_api.models import (
+    AdmissionPolicy,
+    CapacityReport,
+    CapacitySummary,
+    PoolCreated,
+    PoolCreateRequest,
+    PoolForkRequest,
+    PoolList,
+    PoolPrefix,
+    PoolRef,
+)
+from polykv_engine.core import pool_ops
+from polykv_engine.core.engine import Engine
+from polykv_engine.http.app_context import AppContext, ctx_of
+from polykv_engine.http.auth import require_admin
+from polykv_engine.http.errors import ApiError, parse
+from polykv_engine.pools.manager import PoolSpec
+from polykv_engine.pools.tree import Pool, PoolError, validate_name
+
+T = TypeVar("T")
+
+
+def _api_error(exc: PoolError) -> ApiError:
+    return ApiError(exc.status, exc.message, exc.type, reason=exc.reason)
+
+
+async def on_engine(ctx: AppContext, fn: Callable[[Engine], T]) -> T:
+    """Run ``fn`` on the engine thread; a PoolError becomes the matching HTTP error."""
+    ctx.require_ready()
+    try:
+        return await asyncio.wrap_future(ctx.engine.call(fn))
+    except PoolError as exc:
+        raise _api_error(exc) from exc
+
+
+async def pool_listing(ctx: AppContext, ref: PoolRef | None = None) -> PoolList:
+    """The engine's listing plus each pool's capacity summary from the admission gate."""
+    listing = await on_engine(ctx, lambda e: pool_ops.listing(e, ctx.boot_id, ref))
+    snap = ctx.engine.snapshot
+    assert ctx.gate is not None
+    for status in listing.pools:
+        pool = snap.pool(status.pool_id)
+        if pool is None:
+            continue
+        cap = ctx.gate.capacity(pool, None, None)
+        status.capacity = CapacitySummary(
+            can_admit=cap.can_admit,
+            reason=cap.reason,
+            reason_code=cap.reason_code,
+            headroom_sessions=cap.headroom_sessions,
+            settling=cap.settling,
+            compaction_pressure=cap.compaction_pressure,
+        )
+    return listing
+
+
+def _ref(request: web.Request) -> PoolRef:
+    raw = request.match_info["pool"]
+    return int(raw) if raw.isdigit() else raw
+
+
+def _prefix_tokens(ctx: AppContext, req: PoolPrefix) -> list[int] | None:
+    rt = ctx.rt
+    if req.tokens is not None:
+        tokens = ctx.check_token_ids(req.tokens)
+    elif req.prompt is not None:
+        tokens = rt.tokenize(req.prompt, add_special=True, parse_special=True)
+    elif req.messages is not None:
+        text = ctx.render_messages(req.messages, req.tools, add_generation_prompt=False)
+        tokens = rt.tokenize(text, add_special=True, parse_special=True)
+    else:
+        return None  # from_session: the engine reads the session's tokens
+    return ctx.check_prompt_fits(tokens, for_pool=True)
+
+
+async def _create(request: web.Request, req: PoolPrefix, parent: PoolRef | None) -> web.Response:
+    ctx = ctx_of(request)
+    if req.name is not None:
+        try:
+            validate_name(req.name)
+        except PoolError as exc:
+            raise _api_error(exc) from exc
+    spec = PoolSpec(
+        tokens=_prefix_tokens(ctx, req),
+        from_session=req.from_session,
+        name=req.name,
+        pin=req.pin,
+        dry_run=req.dry_run,
+        parent=parent,
+        branch_pos=getattr(req, "branch_pos", None),
+    )
+    result = await on_engine(ctx, lambda e: pool_ops.create(e, spec))
+    if isinstance(result, Pool):  # dry run: what would be created
+        body = PoolCreated(
+            created=False,
+            dry_run=True,
+            prefix_len=result.prefix_len,
+            branch_pos=result.branch_pos,
+            prefix_hash=result.prefix_hash,
+            boot_id=ctx.boot_id,
+        )
+        return web.json_response(body.model_dump())
+    try:
+        await asyncio.wrap_future(result.ready)
+    except PoolError as exc:
+        raise _api_error(exc) from exc
+    pool_id = result.pool.pool_id
+    listing = await pool_listing(ctx, pool_id)
+    status = listing.pools[0]
+    body = PoolCreated(
+        created=result.created,
+        pool=status,
+        pool_id=status.pool_id,
+        prefix_len=status.prefix_len,
+        branch_pos=status.branch_pos,
+        prefix_hash=status.prefix_hash,
+        boot_id=ctx.boot_id,
+    )
+    return web.json_response(body.model_dump(), status=201 if result.created else 200)
+
+
+async def create_pool(request: web.Request) -> web.Response:
+    require_admin(request)
+    req = await parse(request, PoolCreateRequest)
+    return await _create(request, req, None)
+
+
+async def fork_pool(request: web.Request) -> web.Response:
+    require_admin(request)
+    req = await parse(request, PoolForkRequest)
+    return await _create(request, req, _ref(request))
+
+
+def _action(name: pool_ops.Action) -> Callable[[web.Request], Any]:
+    async def handler(request: web.Request) -> web.Response:
+        require_admin(request)
+        ctx = ctx_of(request)
+        ref = _ref(request)
+        await on_engine(ctx, lambda e: pool_ops.act(e, ref, name))
+        listing = await pool_listing(ctx, ref)
+        return web.json_response(listing.pools[0].model_dump())
+
+    handler.__name__ = f"{name}_pool"
+    return handler
+
+
+async def release_pool(request: web.Request) -> web.Response:
+    require_admin(request)
+    ctx = ctx_of(request)
+    ref = _ref(request)
+    pool_id = await on_engine(ctx, lambda e: pool_ops.release(e, ref))
+    return web.json_response({"released": pool_id, "boot_id": ctx.boot_id})
+
+
+async def list_pools(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    listing = await pool_listing(ctx)
+    return web.json_response(listing.model_dump())
+
+
+async def get_pool(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    ref = _ref(request)
+    listing = await pool_listing(ctx, ref)
+    body = listing.pools[0].model_dump()
+    body["descendants"] = [p.model_dump() for p in listing.pools[1:]]
+    body["boot_id"] = ctx.boot_id
+    return web.json_response(body)
+
+
+async def _apply_admission(request: web.Request, policy: AdmissionPolicy | None) -> web.Response:
+    ctx = ctx_of(request)
+    ref = _ref(request)
+    await on_engine(ctx, lambda e: pool_ops.set_admission(e, ref, policy))
+    listing = await pool_listing(ctx, ref)
+    return web.json_response(listing.pools[0].model_dump())
+
+
+async def set_admission(request: web.Request) -> web.Response:
+    require_admin(request)
+    return await _apply_admission(request, await parse(request, AdmissionPolicy))
+
+
+async def clear_admission(request: web.Request) -> web.Response:
+    require_admin(request)
+    return await _apply_admission(request, None)
+
+
+def _int_query(request: web.Request, name: str) -> int | None:
+    raw = request.query.get(name)
+    if raw is None:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ApiError(400, f"{name}: a positive integer, got {raw!r}")
+    return int(raw)
+
+
+async def get_capacity(request: web.Request) -> web.Response:
+    """Answered from the published snapshot: never waits for the engine thread."""
+    ctx = ctx_of(request)
+    ctx.require_ready()
+    ref = _ref(request)
+    expected = _int_query(request, "expected_tokens")
+    session = request.query.get("session_id") or request.headers.get("x-session-id")
+    pool = ctx.engine.snapshot.pool(ref)
+    if pool is None:
+        raise ApiError(
+            404, f"pool {ref!r} does not exist", "not_found_error", reason="pool_not_found"
+        )
+    assert ctx.gate is not None
+    cap = ctx.gate.capacity(pool, expected, session)
+    body = CapacityReport(
+        pool_id=pool.pool_id,
+        policy=pool.admission,
+        **cap.model_dump(),
+    )
+    return web.json_response(body.model_dump())
+
+
+async def slot_action(request: web.Request) -> web.Response:
+    """llama-server's ``POST /slots/{id}?action=erase``; save/restore are not supported."""
+    require_admin(request)
+    ctx = ctx_of(request)
+    raw = request.match_info["slot"]
+    if not raw.isdigit():
+        raise ApiError(400, f"slot id must be an integer, got {raw!r}")
+    action = request.query.get("action")
+    if action != "erase":
+        raise ApiError(
+            501 if action in ("save", "restore") else 400,
+            f"unsupported slot action {action!r}; supported: erase",
+        )
+    slot_id = int(raw)
+    n = await on_engine(ctx, lambda e: pool_ops.erase_slot(e, slot_id))
+    return web.json_response({"id_slot": slot_id, "n_erased": n})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/slots/{slot}", slot_action)
+    app.router.add_post("/polykv/pools", create_pool)
+    app.router.add_get("/polykv/pools", list_pools)
+    app.router.add_get("/polykv/pools/{pool}", get_pool)
+    app.router.add_delete("/polykv/pools/{pool}", release_pool)
+    app.router.add_post("/polykv/pools/{pool}/fork", fork_pool)
+    app.router.add_post("/polykv/pools/{pool}/admission", set_admission)
+    app.router.add_delete("/polykv/pools/{pool}/admission", clear_admission)
+    app.router.add_get("/polykv/pools/{pool}/capacity", get_capacity)
+    for action in ("pin", "unpin", "evict", "flush"):
+        app.router.add_post(f"/polykv/pools/{{pool}}/{action}", _action(action))

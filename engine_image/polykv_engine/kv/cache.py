@@ -1,0 +1,51 @@
+"""KV memory operations, applied to llama.cpp and to the shadow model together.
+
+Every change to a sequence's cells goes through here, so ``KVModel`` (ownership accounting)
+can never drift from what llama.cpp holds. Engine thread only.
+"""
+
+from __future__ import annotations
+
+from polykv_engine.kv.cells import KVModel
+from polykv_engine.llama.runtime import LlamaRuntime
+
+
+class KVCache:
+    def __init__(self, rt: LlamaRuntime) -> None:
+        self.rt = rt
+        self.model = KVModel()
+
+    def length(self, seq: int) -> int:
+        return self.model.length(seq)
+
+    def decoded(self, seq: int, n: int) -> None:
+        """``n`` tokens were just decoded at the end of ``seq``."""
+        self.model.append(seq, n)
+
+    def truncate(self, seq: int, pos: int) -> None:
+        """Keep positions [0, pos) of ``seq``."""
+        if self.model.length(seq) > pos:
+            self.rt.seq_rm(seq, pos, -1)
+            self.model.truncate(seq, pos)
+
+    def clear(self, seq: int) -> None:
+        self.rt.seq_rm(seq, -1, -1)
+        self.model.clear(seq)
+
+    def share(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """``dst`` (ending at p0) gains ``src``'s cells [p0, p1): no data is copied."""
+        if p1 <= p0:
+            return
+        self.rt.seq_cp(src, dst, p0, p1)
+        self.model.copy(src, dst, p0, p1)
+
+    def shift(self, seq: int, n_keep: int, n_discard: int) -> None:
+        """Context shift: drop [n_keep, n_keep + n_discard) and move the rest down."""
+        n_past = self.model.length(seq)
+        self.rt.seq_rm(seq, n_keep, n_keep + n_discard)
+        self.rt.seq_add(seq, n_keep + n_discard, n_past, -n_discard)
+        self.model.remove_range(seq, n_keep, n_keep + n_discard)
+
+    @property
+    def used(self) -> int:
+        return self.model.used

@@ -1,0 +1,1 @@
+"""The only code that imports ``llama_cpp``: model, context, batch, sampler, KV primitives."""

@@ -1,0 +1,501 @@
+"""The only module that touches llama.cpp: model, context, batch, KV memory and samplers.
+
+Everything here is a thin, RAII-style wrapper over ``llama_cpp.llama_cpp`` (the ctypes layer;
+the high-level ``Llama`` class is never used). Rules this module enforces because llama.cpp
+would otherwise abort the whole process with a GGML_ASSERT:
+
+* a batch never holds more tokens than ``llama_n_batch(ctx)`` (the effective n_batch is
+  ``min(n_ctx, n_batch)``);
+* sequence ids are checked against ``n_seq_max`` before any memory call (with a unified
+  cache ``seq_cp``/``seq_rm`` accept out-of-range ids silently);
+* a non-zero ``llama_decode`` result is returned to the caller (1 = no KV slot, recoverable)
+  or raised (anything else).
+
+Only the engine thread calls the mutating methods. Tokenization reads the vocabulary only and
+is safe from any thread, as in llama-server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# Must be set before libllama (and its OpenMP runtime) is loaded: busy-waiting worker threads
+# starve the HTTP thread on small machines.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+import llama_cpp.llama_cpp as C
+
+from polykv_engine.llama.sampling import SamplingParams
+
+log = logging.getLogger("polykv.llama")
+
+# ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line.
+_LOG_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+_last_level = logging.DEBUG
+# With LLAMA_KV_CACHE_DEBUG=1, find_slot logs "used = N": the only public view of used cells.
+_USED_RE = re.compile(r"used = +(\d+)")
+_used_capture: list[int] | None = None
+
+
+@C.llama_log_callback  # type: ignore[untyped-decorator]
+def _route_llama_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    # llama.cpp is chatty at INFO (every model key at load): that goes to DEBUG.
+    global _last_level
+    py_level = _last_level if level == 5 else _LOG_LEVELS.get(level, logging.DEBUG)
+    _last_level = py_level
+    message = text.decode("utf-8", "replace").rstrip()
+    if _used_capture is not None and "find_slot" in message:
+        found = _USED_RE.search(message)
+        if found:
+            _used_capture.append(int(found.group(1)))
+    if message and log.isEnabledFor(py_level):
+        log.log(py_level, "%s", message)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendInfo:
+    """What llama.cpp will run on, from the loaded backends' own reports."""
+
+    cpu_variant: str | None  # e.g. "haswell": the per-CPU build ggml picked for this machine
+    cpu_library: str | None
+    features: dict[str, str]  # the CPU backend's features (AVX2 = 1, ...)
+    extra_buffer_types: tuple[str, ...]  # e.g. CPU_REPACK; an "AMX" entry means AMX kernels
+    system_info: str  # llama_print_system_info(), verbatim
+
+    @property
+    def amx(self) -> bool:
+        """True when any AMX code path is present in the loaded CPU backend."""
+        return any(k.startswith("AMX") for k in self.features) or any(
+            "AMX" in b for b in self.extra_buffer_types
+        )
+
+
+_backend: BackendInfo | None = None
+
+
+def _lib_dir() -> Path:
+    return Path(C.__file__).resolve().parent / "lib"
+
+
+def _mapped(pattern: str) -> str | None:
+    """The path of a shared library mapped into this process, by file-name pattern."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    found = re.search(rf"(\S*/{pattern})\n", maps)
+    return found.group(1) if found else None
+
+
+def _ggml() -> ctypes.CDLL:
+    # The very libggml that libllama is linked against: the wheel holds copies under several
+    # names (libggml.so, .so.0, ...), and each copy has a backend registry of its own.
+    path = _mapped(r"libggml\.so[.0-9]*") or str(_lib_dir() / "libggml.so.0")
+    lib = ctypes.CDLL(path)
+    lib.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+    lib.ggml_backend_load_all_from_path.restype = None
+    lib.ggml_backend_reg_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
+    lib.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    lib.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_buft_name.restype = ctypes.c_char_p
+    return lib
+
+
+def _extra_buffer_types(lib: ctypes.CDLL) -> tuple[str, ...]:
+    dev = lib.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    if not dev:
+        return ()
+    reg = lib.ggml_backend_dev_backend_reg(dev)
+    addr = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not addr:
+        return ()
+    get = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(addr)
+    bufts = get(dev)
+    names = []
+    i = 0
+    while bufts and bufts[i]:
+        names.append(lib.ggml_backend_buft_name(bufts[i]).decode())
+        i += 1
+    return tuple(names)
+
+
+def _init_backend() -> BackendInfo:
+    """Load ggml's backends once: with per-CPU builds (GGML_BACKEND_DL) the best module for
+    this CPU is chosen at run time from the wheel's lib folder (or POLYKV_GGML_BACKEND_DIR)."""
+    global _backend
+    if _backend is not None:
+        return _backend
+    C.llama_log_set(_route_llama_log, ctypes.c_void_p(0))
+    lib = _ggml()
+    override = os.environ.get("POLYKV_GGML_BACKEND_DIR")
+    for folder in [Path(override)] if override else [_lib_dir()]:
+        if any(folder.glob("libggml-*.so")):
+            lib.ggml_backend_load_all_from_path(str(folder).encode())
+    C.llama_backend_init()
+    if lib.ggml_backend_reg_count() == 0:
+        raise LlamaError(
+            f"no ggml backend could be loaded from {override or _lib_dir()}: the "
+            "llama-cpp-python build is incomplete (scripts/build-llama-wheel.sh)"
+        )
+    info = C.llama_print_system_info().decode("utf-8", "replace")
+    cpu = re.search(r"CPU : (.*?)(?:\| [A-Z]+ : |$)", info)
+    features = dict(re.findall(r"(\w+) = (\w+)", cpu.group(1))) if cpu else {}
+    library = _mapped(r"libggml-cpu[^/\s]*\.so")  # ggml keeps only the best module loaded
+    variant = None
+    if library is not None:
+        tag = re.search(r"libggml-cpu-([\w.]+?)\.so", library)
+        variant = tag.group(1) if tag else "native"
+    _backend = BackendInfo(variant, library, features, _extra_buffer_types(lib), info)
+    log.info(
+        "ggml CPU backend: %s (%s); features: %s; extra buffer types: %s",
+        variant or "built in",
+        library or "linked into libggml",
+        " ".join(k for k, v in features.items() if v == "1") or "none",
+        ", ".join(_backend.extra_buffer_types) or "none",
+    )
+    return _backend
+
+
+class LlamaError(RuntimeError):
+    """llama.cpp refused an operation (bad model file, failed decode, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    model_path: Path
+    n_ctx: int = 4096
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    n_seq_max: int = 1
+    n_threads: int = 0  # 0: every core
+    n_threads_batch: int = 0
+    n_gpu_layers: int = 0
+    kv_unified: bool = True
+    kv_debug: bool = False  # let measure_used_cells read llama.cpp's own used-cell count
+    flash_attn: str = "auto"  # on | off | auto (auto = on only when layers are offloaded)
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+
+
+# KV cache element types: ggml type id and bytes per element (q8_0: 34-byte blocks of 32).
+CACHE_TYPES: dict[str, tuple[int, float]] = {
+    "f32": (int(C.GGML_TYPE_F32), 4.0),
+    "f16": (int(C.GGML_TYPE_F16), 2.0),
+    "q8_0": (int(C.GGML_TYPE_Q8_0), 34 / 32),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    path: str
+    description: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_params: int
+    size_bytes: int
+    is_recurrent: bool
+    is_hybrid: bool
+    chat_template: str | None
+    bos: int
+    eos: int
+    add_bos: bool
+
+    def kv_bytes_per_token(self, cache_type_k: str = "f16", cache_type_v: str = "f16") -> int:
+        """Bytes one token occupies in the K and V caches, all layers."""
+        per_layer = (self.n_embd // self.n_head) * self.n_head_kv
+        k = CACHE_TYPES[cache_type_k][1]
+        v = CACHE_TYPES[cache_type_v][1]
+        return round(self.n_layer * per_layer * (k + v))
+
+
+class Batch:
+    """A reusable ``llama_batch`` with one sequence id per token."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._raw = C.llama_batch_init(capacity, 0, 1)
+        self.n = 0
+
+    def clear(self) -> None:
+        self.n = 0
+
+    def add(self, token: int, pos: int, seq_id: int, logits: bool) -> int:
+        """Append a token; returns its index (the ``idx`` for sampling when logits=True)."""
+        i = self.n
+        if i >= self.capacity:
+            raise LlamaError(f"batch overflow: capacity {self.capacity}")
+        raw = self._raw
+        raw.token[i] = token
+        raw.pos[i] = pos
+        raw.n_seq_id[i] = 1
+        raw.seq_id[i][0] = seq_id
+        raw.logits[i] = 1 if logits else 0
+        self.n = i + 1
+        return i
+
+    def add_span(self, tokens: Sequence[int], pos0: int, seq_id: int, logits_last: bool) -> int:
+        """Append consecutive tokens of one sequence; returns the last token's index."""
+        for k, tok in enumerate(tokens):
+            self.add(tok, pos0 + k, seq_id, logits_last and k == len(tokens) - 1)
+        return self.n - 1
+
+    def free(self) -> None:
+        if self._raw is not None:
+            C.llama_batch_free(self._raw)
+            self._raw = None
+
+
+class Sampler:
+    """A llama.cpp sampler chain for one request; free it when the request ends."""
+
+    def __init__(self, params: SamplingParams, n_vocab: int) -> None:
+        cparams = C.llama_sampler_chain_default_params()
+        chain = C.llama_sampler_chain_init(cparams)
+        if not chain:
+            raise LlamaError("llama_sampler_chain_init failed")
+        self._chain: ctypes.c_void_p | None = chain
+        add = C.llama_sampler_chain_add
+        if params.has_penalties:
+            add(
+                chain,
+                C.llama_sampler_init_penalties(
+                    n_vocab,
+                    params.repeat_last_n,
+                    params.repeat_penalty,
+                    params.frequency_penalty,
+                    params.presence_penalty,
+                ),
+            )
+        if params.greedy:
+            add(chain, C.llama_sampler_init_greedy())
+        else:
+            add(chain, C.llama_sampler_init_top_k(params.top_k))
+            add(chain, C.llama_sampler_init_top_p(params.top_p, 1))
+            add(chain, C.llama_sampler_init_min_p(params.min_p, 1))
+            add(chain, C.llama_sampler_init_temp(params.temperature))
+            add(chain, C.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
+
+    def accept(self, token: int) -> None:
+        """Feed a prompt token to stateful samplers (repetition penalties)."""
+        C.llama_sampler_accept(self._chain, token)
+
+    def sample(self, ctx: ctypes.c_void_p, idx: int) -> int:
+        return int(C.llama_sampler_sample(self._chain, ctx, idx))
+
+    def free(self) -> None:
+        if self._chain is not None:
+            C.llama_sampler_free(self._chain)
+            self._chain = None
+
+
+class LlamaRuntime:
+    """A loaded model with one context; owns their lifetimes (``close`` frees both)."""
+
+    def __init__(self, cfg: RuntimeConfig) -> None:
+        self.backend = _init_backend()
+        self.cfg = cfg
+        self._stack = contextlib.ExitStack()
+        path = Path(cfg.model_path)
+        if not path.is_file():
+            raise LlamaError(f"model file not found: {path}")
+        mparams = C.llama_model_default_params()
+        mparams.n_gpu_layers = cfg.n_gpu_layers
+        model = C.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            raise LlamaError(f"failed to load model from {path} (see the log above)")
+        self._model = model
+        self._stack.callback(C.llama_model_free, model)
+        self._vocab = C.llama_model_get_vocab(model)
+        self.info = self._read_info(path)
+        if cfg.n_seq_max > C.llama_max_parallel_sequences():
+            self.close()
+            raise LlamaError(
+                f"{cfg.n_seq_max} sequences requested; llama.cpp supports at most "
+                f"{C.llama_max_parallel_sequences()} (lower --parallel or --polykv-max-pools)"
+            )
+
+        cparams = C.llama_context_default_params()
+        cparams.n_ctx = cfg.n_ctx
+        cparams.n_batch = cfg.n_batch
+        cparams.n_ubatch = min(cfg.n_ubatch, cfg.n_batch)
+        cparams.n_seq_max = cfg.n_seq_max
+        threads = cfg.n_threads or (os.cpu_count() or 1)
+        cparams.n_threads = threads
+        cparams.n_threads_batch = cfg.n_threads_batch or threads
+        cparams.kv_unified = cfg.kv_unified
+        cparams.flash_attn_type = self._flash_attn_type(cfg)
+        cparams.type_k = CACHE_TYPES[cfg.cache_type_k][0]
+        cparams.type_v = CACHE_TYPES[cfg.cache_type_v][0]
+        if cfg.kv_debug:
+            os.environ["LLAMA_KV_CACHE_DEBUG"] = "1"  # read when the KV cache is built
+        ctx = C.llama_init_from_model(model, cparams)
+        if not ctx:
+            self.close()
+            raise LlamaError("failed to create the llama context (see the log above)")
+        self.ctx = ctx
+        self._stack.callback(C.llama_free, ctx)
+        self._mem = C.llama_get_memory(ctx)
+        self.n_ctx = int(C.llama_n_ctx(ctx))
+        self.n_batch = int(C.llama_n_batch(ctx))
+        self.n_seq_max = int(C.llama_n_seq_max(ctx))
+        self.n_ctx_seq = int(C.llama_n_ctx_seq(ctx))
+        self.kv_bytes_per_token = self.info.kv_bytes_per_token(cfg.cache_type_k, cfg.cache_type_v)
+
+    @staticmethod
+    def _flash_attn_type(cfg: RuntimeConfig) -> int:
+        # On CPU, flash attention is several times slower for small query batches (decode),
+        # so "auto" enables it only when layers run on an accelerator.
+        if cfg.flash_attn == "on":
+            return int(C.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+        if cfg.flash_attn == "off" or cfg.n_gpu_layers == 0:
+            return int(C.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        return int(C.LLAMA_FLASH_ATTN_TYPE_AUTO)
+
+    def _read_info(self, path: Path) -> ModelInfo:
+        m = self._model
+        buf = ctypes.create_string_buffer(256)
+        C.llama_model_desc(m, buf, ctypes.sizeof(buf))
+        tmpl = C.llama_model_chat_template(m, None)
+        return ModelInfo(
+            path=str(path),
+            description=buf.value.decode("utf-8", "replace"),
+            n_vocab=int(C.llama_vocab_n_tokens(self._vocab)),
+            n_ctx_train=int(C.llama_model_n_ctx_train(m)),
+            n_embd=int(C.llama_model_n_embd(m)),
+            n_layer=int(C.llama_model_n_layer(m)),
+            n_head=int(C.llama_model_n_head(m)),
+            n_head_kv=int(C.llama_model_n_head_kv(m)),
+            n_params=int(C.llama_model_n_params(m)),
+            size_bytes=int(C.llama_model_size(m)),
+            is_recurrent=bool(C.llama_model_is_recurrent(m)),
+            is_hybrid=bool(C.llama_model_is_hybrid(m)),
+            chat_template=tmpl.decode("utf-8", "replace") if tmpl else None,
+            bos=int(C.llama_vocab_bos(self._vocab)),
+            eos=int(C.llama_vocab_eos(self._vocab)),
+            add_bos=bool(C.llama_vocab_get_add_bos(self._vocab)),
+        )
+
+    # ------------------------------------------------------------------ vocabulary (any thread)
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (C.llama_token * cap)()
+        n = C.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:  # buffer too small: -n is the size needed
+            cap = -n
+            buf = (C.llama_token * cap)()
+            n = C.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise LlamaError("tokenization failed")
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        """The raw bytes of one token (may be a fragment of a UTF-8 character)."""
+        buf = ctypes.create_string_buffer(64)
+        n = C.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = C.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
+        return b"".join(self.token_bytes(t, special) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(C.llama_vocab_is_eog(self._vocab, token))
+
+    def valid_token(self, token: int) -> bool:
+        return 0 <= token < self.info.n_vocab
+
+    # ------------------------------------------------------------------ engine thread only
+
+    def new_batch(self) -> Batch:
+        batch = Batch(self.n_batch)
+        self._stack.callback(batch.free)
+        return batch
+
+    def new_sampler(self, params: SamplingParams) -> Sampler:
+        return Sampler(params, self.info.n_vocab)
+
+    def decode(self, batch: Batch) -> int:
+        """Run one batch. Returns 0, or 1 when no KV slot was found (state restored)."""
+        if batch.n == 0:
+            return 0
+        raw = batch._raw
+        raw.n_tokens = batch.n
+        rc = int(C.llama_decode(self.ctx, raw))
+        if rc not in (0, 1):
+            raise LlamaError(f"llama_decode returned {rc}")
+        return rc
+
+    def _check_seq(self, *seqs: int) -> None:
+        for s in seqs:
+            if not 0 <= s < self.n_seq_max:
+                raise LlamaError(f"sequence id {s} outside [0, {self.n_seq_max})")
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        self._check_seq(seq)
+        if not C.llama_memory_seq_rm(self._mem, seq, p0, p1):
+            raise LlamaError(f"seq_rm({seq}, {p0}, {p1}) failed")
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        self._check_seq(src, dst)
+        if not self.cfg.kv_unified and p1 >= 0:
+            # llama.cpp aborts on a partial copy between streams of a split cache.
+            raise LlamaError("partial seq_cp needs a unified KV cache")
+        C.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        self._check_seq(seq)
+        C.llama_memory_seq_add(self._mem, seq, p0, p1, delta)
+
+    def seq_pos_max(self, seq: int) -> int:
+        self._check_seq(seq)
+        return int(C.llama_memory_seq_pos_max(self._mem, seq))
+
+    def measure_used_cells(self, probe_seq: int) -> int | None:
+        """Used KV cells as llama.cpp counts them: decode one probe token into the empty
+        ``probe_seq`` and read the count its slot search logs, then remove the probe."""
+        global _used_capture
+        if not self.cfg.kv_debug:
+            return None
+        self._check_seq(probe_seq)
+        batch = C.llama_batch_init(1, 0, 1)
+        try:
+            batch.n_tokens = 1
+            batch.token[0] = self.info.bos
+            batch.pos[0] = 0
+            batch.n_seq_id[0] = 1
+            batch.seq_id[0][0] = probe_seq
+            batch.logits[0] = 0
+            _used_capture = []
+            rc = C.llama_decode(self.ctx, batch)
+            seen, _used_capture = _used_capture, None
+        finally:
+            _used_capture = None
+            C.llama_memory_seq_rm(self._mem, probe_seq, -1, -1)
+            C.llama_batch_free(batch)
+        return seen[0] if rc == 0 and seen else None
+
+    def clear_memory(self) -> None:
+        C.llama_memory_clear(self._mem, True)
+
+    def close(self) -> None:
+        self._stack.close()

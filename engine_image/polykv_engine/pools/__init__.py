@@ -1,0 +1,1 @@
+"""The pool tree, its materialization into the KV cache, and its wire listing."""

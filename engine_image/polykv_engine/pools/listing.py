@@ -1,0 +1,134 @@
+"""The wire view of the pool tree (``GET /polykv/pools``), rendered on the engine thread.
+
+KV is attributed by ownership, never by membership: a cell shared by many sequences belongs
+to the first owner in parents-first order (the pool that materialized it), so Σ own bytes of
+every pool + Σ marginal bytes of every session == the bytes in use, with nothing counted
+twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from polykv_api.models import PoolList, PoolRef, PoolSession, PoolStatus
+from polykv_engine.policy.tps import ActiveRates, active_rates
+from polykv_engine.pools.manager import AttachedSlot, PoolManager
+from polykv_engine.pools.tree import Pool
+
+
+def _rates(slots: Sequence[AttachedSlot]) -> ActiveRates:
+    return active_rates((s.state == "decoding", s.warming, s.tps_ewma) for s in slots)
+
+
+def render(
+    pools: PoolManager,
+    slots: Sequence[AttachedSlot],
+    boot_id: str,
+    n_ctx: int,
+    measured: int | None,
+) -> PoolList:
+    tree = pools.tree
+    model = pools.kv.model
+    order: list[tuple[object, int, int]] = [
+        (("pool", p.pool_id), p.seq_id, p.branch_pos)
+        for p in tree.parents_first()
+        if p.seq_id is not None
+    ]
+    order += [(("slot", s.slot_id), s.slot_id, 0) for s in slots]
+    owned = model.owners(order)
+    bpt = pools.bpt
+
+    def session(s: AttachedSlot, pool: Pool | None) -> PoolSession:
+        shared = (
+            model.common_cells(s.slot_id, pool.seq_id)
+            if pool is not None and pool.seq_id is not None
+            else 0
+        )
+        return PoolSession(
+            session_id=s.session_id,
+            slot=s.slot_id,
+            shared_prefix_tokens=shared,
+            suffix_n_tokens=s.ctx_used - shared,
+            marginal_kv_bytes=owned.get(("slot", s.slot_id), 0) * bpt,
+            tps_ewma=s.tps_ewma,
+            state=s.state,
+        )
+
+    statuses: dict[int, PoolStatus] = {}
+    for pool in reversed(list(tree.parents_first())):  # children before parents
+        members = pools.sessions_of(pool, slots)
+        attached = [session(s, pool) for s in members]
+        rates = _rates(members)
+        own = owned.get(("pool", pool.pool_id), 0) * bpt
+        subtree = own + sum(a.marginal_kv_bytes for a in attached)
+        subtree += sum(statuses[c].subtree_kv_bytes for c in pool.children)
+        parent = tree.pools.get(pool.parent_id) if pool.parent_id is not None else None
+        statuses[pool.pool_id] = PoolStatus(
+            pool_id=pool.pool_id,
+            name=pool.name,
+            parent=pool.parent_id,
+            parent_name=parent.name if parent else None,
+            branch_pos=pool.branch_pos,
+            prefix_len=pool.prefix_len,
+            prefix_hash=pool.prefix_hash,
+            own_kv_bytes=own,
+            subtree_kv_bytes=subtree,
+            residency=pool.residency,
+            pinned=pools.is_pinned(pool, slots),
+            pinned_explicit=pool.pinned,
+            orphaned_pin=pool.pinned and not attached and not pool.children,
+            created_ts=pool.created_ts,
+            last_access_ts=pool.last_access_ts,
+            depth=tree.depth(pool),
+            path=path_of(pools, pool),
+            children=sorted(pool.children),
+            sessions=attached,
+            seq_id=pool.seq_id,
+            n_active=rates.n_active,
+            n_warming=rates.n_warming,
+            active_tps_sum=rates.tps_sum,
+            mean_active_tps=rates.mean,
+            admission=pool.admission,
+        )
+    ordered = [statuses[p.pool_id] for p in tree.parents_first()]
+    unpooled = [
+        session(s, None)
+        for s in slots
+        if s.pool_id is None and owned.get(("slot", s.slot_id), 0) > 0
+    ]
+    everyone = _rates(slots)
+    n_slots = len(slots)
+    return PoolList(
+        boot_id=boot_id,
+        pools=ordered,
+        tree_depth=max((s.depth for s in ordered), default=-1) + 1,
+        seq_ids_used=n_slots + tree.seq_ids_used,
+        seq_ids_max=n_slots + len(tree.seq_ids),
+        kv_cells_used=model.used,
+        kv_cells_total=n_ctx,
+        kv_bytes_per_token=bpt,
+        kv_bytes_used=model.used * bpt,
+        unpooled_sessions=unpooled,
+        kv_cells_measured=measured,
+        n_active=everyone.n_active,
+        n_warming=everyone.n_warming,
+        active_tps_sum=everyone.tps_sum,
+        mean_active_tps=everyone.mean,
+    )
+
+
+def subtree_only(listing: PoolList, pools: PoolManager, ref: PoolRef) -> PoolList:
+    """The listing cut to ``ref``'s subtree, the pool itself first."""
+    pool = pools.tree.resolve(ref)
+    keep = {pool.pool_id, *(d.pool_id for d in pools.tree.descendants(pool))}
+    listing.pools = [p for p in listing.pools if p.pool_id in keep]
+    return listing
+
+
+def path_of(pools: PoolManager, pool: Pool) -> str:
+    """``root/child/grandchild`` by labels."""
+    parts = [pool.label]
+    while pool.parent_id is not None:
+        pool = pools.tree.pools[pool.parent_id]
+        parts.append(pool.label)
+    return "/".join(reversed(parts))

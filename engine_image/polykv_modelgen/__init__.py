@@ -1,0 +1,1 @@
+"""Deterministic GGUF models for tests and benchmarks (random weights, a trained BPE vocab)."""

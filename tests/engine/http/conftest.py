@@ -1,0 +1,51 @@
+"""Engine fixtures: real polykv-engine processes on the generated test model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from polykv_engine.testing import EngineProcess
+
+# f32 KV keeps batched and solo logits within ~1e-6, so greedy outputs compare exactly.
+DETERMINISTIC = ["-ctk", "f32", "-ctv", "f32"]
+
+
+@pytest.fixture(scope="session")
+def start_engine(
+    test_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., EngineProcess]]:
+    """Start an engine with extra CLI args; every engine started is stopped at session end."""
+    started: list[EngineProcess] = []
+    logs = tmp_path_factory.mktemp("engine-logs")
+
+    def start(*args: str) -> EngineProcess:
+        eng = EngineProcess(
+            model=test_model, args=args, log_path=logs / f"engine-{len(started)}.log"
+        )
+        eng.start()
+        started.append(eng)
+        return eng
+
+    yield start
+    for eng in started:
+        eng.stop()
+
+
+@pytest.fixture(scope="session")
+def engine(start_engine: Callable[..., EngineProcess]) -> EngineProcess:
+    """The shared engine: 4 slots, unified 8k cache, metrics on, no key."""
+    return start_engine("-np", "4", "-c", "8192", "--metrics", *DETERMINISTIC)
+
+
+@pytest.fixture
+def client(engine: EngineProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=engine.base_url, timeout=60.0) as c:
+        yield c
+
+
+def greedy(prompt: str | list[int], n: int = 24, **extra: object) -> dict[str, object]:
+    return {"prompt": prompt, "n_predict": n, "temperature": 0, **extra}

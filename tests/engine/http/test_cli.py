@@ -1,0 +1,55 @@
+"""Startup refusals: clear messages and exit code 2, never a half-started server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "polykv_engine.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--no-kv-unified"], "pools need a unified KV cache"),
+        (["-np", "0"], "--parallel must be >= 1"),
+        (["--polykv-max-pools", "-1"], "--polykv-max-pools must be >= 0"),
+        (["--polykv-tps-interval-ms", "5"], "between 50 and 60000"),
+        (["-fa", "sometimes"], "invalid choice"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_reason(test_model: Path, extra: list[str], needle: str) -> None:
+    r = run_cli("-m", str(test_model), *extra)
+    assert r.returncode == 2
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_model() -> None:
+    r = run_cli("-m", "/nonexistent.gguf")
+    assert r.returncode == 2 and "model file not found" in r.stderr
+    r = run_cli()
+    assert r.returncode == 2 and "a model is required" in r.stderr
+
+
+def test_split_cache_without_pools_is_allowed(tmp_path: Path, test_model: Path) -> None:
+    from polykv_engine.testing import running_engine
+
+    with running_engine(test_model, ["--no-kv-unified", "--polykv-max-pools", "0", "-np", "2"],
+                        tmp_path / "e.log") as eng:  # fmt: skip
+        import httpx
+
+        r = httpx.post(f"{eng.base_url}/completion", json={"prompt": "hi", "n_predict": 4})
+        assert r.status_code == 200
+        r = httpx.post(f"{eng.base_url}/polykv/pools", json={"prompt": "hi"})
+        assert r.status_code == 501 and "--polykv-max-pools 0" in r.json()["error"]["message"]

@@ -1,0 +1,135 @@
+"""Bad input gets a precise 4xx in llama-server's error shape, and nothing breaks after it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from polykv_engine.testing import EngineProcess
+
+from .conftest import greedy
+
+
+def assert_error(r: httpx.Response, status: int, type_: str, *needles: str) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and err["type"] == type_
+    for needle in needles:
+        assert needle in err["message"], err["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "needles"),
+    [
+        ("/completion", b"{not json", ["not valid JSON"]),
+        ("/completion", b"[1, 2]", ["JSON object"]),
+        ("/completion", b"", ["empty"]),
+        ("/completion", {"prompt": "x", "temperature": "hot"}, ["temperature"]),
+        ("/completion", {"prompt": "x", "n_predict": -5}, ["n_predict"]),
+        ("/completion", {"prompt": "x", "top_p": 1.5}, ["top_p"]),
+        ("/completion", {"prompt": "x", "stop": [""]}, ["stop"]),
+        ("/completion", {"n_predict": 3}, ["prompt"]),
+        ("/completion", {"prompt": []}, ["prompt"]),
+        ("/completion", {"prompt": [1, 2, 99999999]}, ["outside the vocabulary"]),
+        ("/completion", {"prompt": "x", "session_id": ""}, ["session_id"]),
+        ("/v1/completions", {"prompt": ["a", "b"]}, ["one prompt"]),
+        ("/v1/completions", {"prompt": "a", "n": 2}, ["n"]),
+        ("/v1/chat/completions", {"messages": []}, ["messages"]),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, ["role"]),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            ["text content"],
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object"},
+            },
+            ["response_format"],
+        ),
+        ("/tokenize", {"content": 5}, ["content"]),
+        ("/detokenize", {"tokens": [-1]}, ["tokens"]),
+        ("/detokenize", {"tokens": [10**9]}, ["outside the vocabulary"]),
+    ],
+)
+def test_invalid_requests_are_400(
+    client: httpx.Client, path: str, body: bytes | dict[str, object], needles: list[str]
+) -> None:
+    r = client.post(path, content=body) if isinstance(body, bytes) else client.post(path, json=body)
+    assert_error(r, 400, "invalid_request_error", *needles)
+    assert client.post("/completion", json=greedy("ok", n=2)).status_code == 200
+
+
+def test_prompt_longer_than_the_context(client: httpx.Client) -> None:
+    n_ctx = client.get("/props").json()["default_generation_settings"]["n_ctx"]
+    r = client.post("/completion", json={"prompt": [1] * (n_ctx + 5), "n_predict": 1})
+    assert_error(r, 400, "exceed_context_size_error", "context")
+    assert r.json()["error"]["n_ctx"] == n_ctx
+    assert client.post("/completion", json=greedy("ok", n=2)).status_code == 200
+
+
+def test_unknown_route_and_method(client: httpx.Client) -> None:
+    assert_error(client.get("/nope"), 404, "not_found_error", "/nope")
+    assert_error(client.get("/completion"), 405, "invalid_request_error")
+
+
+def test_body_too_large_is_413(client: httpx.Client) -> None:
+    r = client.post("/completion", content=b"x" * (33 * 1024 * 1024))
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == 413
+
+
+def test_unknown_fields_are_reported_not_silently_dropped(client: httpx.Client) -> None:
+    r = client.post("/completion", json=greedy("x", n=2, frobnicate=1, zeta=True))
+    assert r.status_code == 200
+    assert r.headers["X-PolyKV-Ignored-Fields"] == "frobnicate,zeta"
+
+
+def test_api_key_is_required_except_on_health_and_metrics(
+    start_engine: Callable[..., EngineProcess],
+) -> None:
+    eng = start_engine("--api-key", "sekret", "--metrics")
+    with httpx.Client(base_url=eng.base_url, timeout=30) as c:
+        assert c.get("/health").status_code == 200
+        assert c.get("/metrics").status_code == 200
+        assert_error(c.post("/completion", json=greedy("x", n=1)), 401, "authentication_error")
+        assert_error(
+            c.post("/completion", json=greedy("x", n=1), headers={"Authorization": "Bearer nope"}),
+            401,
+            "authentication_error",
+        )
+        assert_error(c.get("/slots"), 401, "authentication_error")
+        ok = c.post(
+            "/completion", json=greedy("x", n=1), headers={"Authorization": "Bearer sekret"}
+        )
+        assert ok.status_code == 200
+        assert c.get("/props", headers={"X-Api-Key": "sekret"}).status_code == 200
+
+
+def test_metrics_disabled_is_501(start_engine: Callable[..., EngineProcess]) -> None:
+    eng = start_engine()
+    r = httpx.get(f"{eng.base_url}/metrics")
+    assert_error(r, 501, "not_supported_error", "--metrics")
+
+
+def test_bad_tps_interval(client: httpx.Client) -> None:
+    r = client.get("/polykv/tps?interval_ms=5", headers={"Accept": "text/event-stream"})
+    assert_error(r, 400, "invalid_request_error", "interval_ms")
+
+
+def test_admin_key_from_file_and_environment(
+    start_engine: Callable[..., EngineProcess], tmp_path: Path
+) -> None:
+    key_file = tmp_path / "admin.keys"
+    key_file.write_text("from-file\n")
+    eng = start_engine("--api-key", "infer", "--polykv-admin-key-file", str(key_file))
+    with httpx.Client(base_url=eng.base_url, timeout=30) as c:
+        body = {"prompt": "a pool"}
+        assert c.post("/polykv/pools", json=body, headers={"X-Api-Key": "infer"}).status_code == 403
+        r = c.post("/polykv/pools", json=body, headers={"X-Api-Key": "from-file"})
+        assert r.status_code == 201, r.text

@@ -1,0 +1,39 @@
+import pytest
+
+from polykv_engine.kv.cells import KVModel
+
+
+def test_kv_model_shares_and_frees_by_membership() -> None:
+    kv = KVModel()
+    kv.append(10, 100)  # a pool prefix
+    for s in (0, 1, 2):
+        kv.copy(10, s, 0, 100)
+        kv.append(s, 5)
+    assert kv.used == 115
+    kv.clear(10)  # releasing the pool keeps cells the sessions still hold
+    assert kv.used == 115
+    kv.clear(0)
+    assert kv.used == 110
+    assert kv.common_cells(1, 2) == 100
+    assert kv.shared_from(1, 0) and not kv.shared_from(1, 100)
+
+
+def test_kv_model_ownership_partitions_used_cells() -> None:
+    kv = KVModel()
+    kv.append(10, 50)  # root [0, 50)
+    kv.copy(10, 11, 0, 30)  # branch at 30
+    kv.append(11, 20)
+    kv.copy(11, 0, 0, 50)
+    kv.append(0, 7)
+    owners = kv.owners([("root", 10, 0), ("branch", 11, 30), ("s0", 0, 0)])
+    assert owners == {"root": 50, "branch": 20, "s0": 7}
+    assert sum(owners.values()) == kv.used
+
+
+def test_kv_model_rejects_non_contiguous_copy() -> None:
+    kv = KVModel()
+    kv.append(1, 5)
+    with pytest.raises(ValueError):
+        kv.copy(1, 2, 2, 4)
+    kv.remove_range(1, 1, 3)
+    assert kv.length(1) == 3 and kv.used == 3
