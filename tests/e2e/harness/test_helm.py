@@ -10,7 +10,7 @@ import pytest
 
 from polykv_testenv import ControlPlane, ProcessNode
 
-from .helpers import eventually, gone
+from ..helpers import eventually, gone
 
 pytestmark = pytest.mark.k8s
 

@@ -10,7 +10,7 @@ import pytest
 
 from polykv_testenv import ControlPlane
 
-from .helpers import GROUP, WIDGETS, eventually, install_widget_crd
+from ..helpers import GROUP, WIDGETS, eventually, install_widget_crd
 
 pytestmark = pytest.mark.k8s
 

@@ -31,11 +31,11 @@ from polykv_testenv.kubeapi import Gone
 from polykv_testenv.operator import OperatorProcess
 from polykv_testenv.waiting import free_port
 
-from .helpers import Obj, condition, eventually, get_or_none
+from ..helpers import Obj, condition, eventually, get_or_none
 
 pytestmark = pytest.mark.k8s
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GROUP_PATH = "/apis/polykv.io/v1alpha1/namespaces/{ns}"
 MASTER = "e2e-master-key"
 

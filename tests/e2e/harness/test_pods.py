@@ -12,7 +12,7 @@ import pytest
 
 from polykv_testenv import ControlPlane, Kube, ProcessNode
 
-from .helpers import Obj, condition, eventually, get_or_none, gone, pid_alive, web_container
+from ..helpers import Obj, condition, eventually, get_or_none, gone, pid_alive, web_container
 
 pytestmark = pytest.mark.k8s
 

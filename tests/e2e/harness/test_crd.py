@@ -6,7 +6,7 @@ import pytest
 
 from polykv_testenv import ApiError, ControlPlane
 
-from .helpers import GROUP, WIDGETS, install_widget_crd
+from ..helpers import GROUP, WIDGETS, install_widget_crd
 
 pytestmark = pytest.mark.k8s
 

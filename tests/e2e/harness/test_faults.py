@@ -7,7 +7,7 @@ import pytest
 
 from polykv_testenv import ControlPlane, ProcessNode
 
-from .helpers import Obj, eventually, fetch_if, is_ready, web_container
+from ..helpers import Obj, eventually, fetch_if, is_ready, web_container
 
 pytestmark = pytest.mark.k8s
 

@@ -9,7 +9,7 @@ import pytest
 
 from polykv_testenv import ApiError, ControlPlane, Kube
 
-from .helpers import Obj, eventually, fetch_if, get_or_none, gone
+from ..helpers import Obj, eventually, fetch_if, get_or_none, gone
 
 pytestmark = pytest.mark.k8s
 

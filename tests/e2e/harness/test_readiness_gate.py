@@ -9,7 +9,7 @@ import pytest
 from polykv_testenv import ControlPlane, ProcessNode
 from polykv_testenv.kubeapi import STRATEGIC_PATCH
 
-from .helpers import Obj, condition, eventually, web_container
+from ..helpers import Obj, condition, eventually, web_container
 
 pytestmark = pytest.mark.k8s
 
