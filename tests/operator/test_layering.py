@@ -1,0 +1,162 @@
+"""The operator's layering (operator/README.md), checked on its imports as written.
+
+Layers, bottom up: api <- pure <- I/O <- entry. A module imports from its own layer or
+below; the imports between modules form no cycle; only the entry layer imports kopf.
+A new module must be given a layer here, which is the point: someone decides where it goes.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "operator" / "polykv_operator"
+
+LAYERS: dict[str, int] = {
+    "api": 0,
+    **dict.fromkeys(
+        ("names", "fleet", "tree", "policies", "gates", "conditions", "manifests", "status"), 1
+    ),
+    **dict.fromkeys(
+        ("config", "faults", "metrics", "engine_client", "kube", "engine_round", "pool_release"),
+        2,
+    ),
+    **dict.fromkeys(("main", "cli", "crdgen"), 3),
+}
+ENTRY = 3
+NAMES = {0: "api", 1: "pure", 2: "I/O", 3: "entry"}
+
+
+def unit_of(path: Path, package: Path = PACKAGE) -> str:
+    """The layered unit a file belongs to: a top-level module, or a subpackage as a whole."""
+    rel = path.relative_to(package)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def imports(path: Path, package: Path = PACKAGE) -> tuple[set[str], set[str]]:
+    """(units of this package that `path` imports, outside top-level packages it imports)."""
+    tree = ast.parse(path.read_text())
+    here = path.relative_to(package).parent.parts  # () for a top-level module
+    inside: set[str] = set()
+    outside: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                top = alias.name.split(".")
+                if top[0] == "polykv_operator":
+                    inside.add(top[1] if len(top) > 1 else "__init__")
+                else:
+                    outside.add(top[0])
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                parts = (node.module or "").split(".")
+                if parts[0] != "polykv_operator":
+                    outside.add(parts[0])
+                    continue
+                base: list[str] = parts[1:]
+            else:
+                up = len(here) - (node.level - 1)
+                assert up >= 0, f"{path}: relative import above the package"
+                base = [b for b in [*here[:up], *(node.module or "").split(".")] if b]
+            if base:
+                inside.add(base[0])
+            else:  # from . import a, b
+                inside.update(alias.name for alias in node.names)
+    return inside, outside
+
+
+def graph() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__init__.py" and path.parent == PACKAGE:
+            continue
+        unit = unit_of(path)
+        out.setdefault(unit, set()).update(u for u in imports(path)[0] if u != unit)
+    return out
+
+
+def upward(g: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{unit} ({NAMES[LAYERS[unit]]}) imports {dep} ({NAMES[LAYERS[dep]]})"
+        for unit, deps in sorted(g.items())
+        for dep in sorted(deps)
+        if LAYERS[dep] > LAYERS[unit]
+    ]
+
+
+def cycles(g: dict[str, set[str]]) -> list[str]:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    found: list[str] = []
+
+    def visit(unit: str, path: list[str]) -> None:
+        state[unit] = 1
+        for dep in sorted(g.get(unit, ())):
+            if state.get(dep) == 1:
+                found.append(" -> ".join([*path[path.index(dep) :], dep]))
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[unit] = 2
+
+    for unit in sorted(g):
+        if unit not in state:
+            visit(unit, [unit])
+    return found
+
+
+def test_every_module_has_a_layer() -> None:
+    assert set(graph()) == set(LAYERS), "give the new module a layer in LAYERS (and a README line)"
+
+
+def test_no_module_imports_upwards() -> None:
+    assert upward(graph()) == []
+
+
+def test_the_imports_form_no_cycle() -> None:
+    assert cycles(graph()) == []
+
+
+def test_only_the_entry_layer_imports_kopf() -> None:
+    below = sorted(
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if LAYERS.get(unit_of(p), ENTRY) < ENTRY and "kopf" in imports(p)[1]
+    )
+    assert below == []
+
+
+def test_the_wire_contract_is_imported_as_a_module() -> None:
+    """`from polykv_api import models as wire`: provenance visible at every use."""
+    named = []
+    for p in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "polykv_api.models":
+                named.append(f"{p.relative_to(PACKAGE)}:{node.lineno}")
+            if isinstance(node, ast.ImportFrom) and node.module == "polykv_api":
+                assert [(a.name, a.asname) for a in node.names] == [("models", "wire")], p
+    assert named == []
+
+
+@pytest.mark.parametrize(
+    ("source", "where", "expected"),
+    [
+        ("from . import gates, status as stat\n", "main.py", {"gates", "status"}),
+        ("from .api import ENGINE\nfrom .api.meta import X\n", "status.py", {"api"}),
+        ("from ..meta import X\nfrom . import pool\n", "api/engine.py", {"meta", "api"}),
+        ("import polykv_operator.fleet\n", "gates.py", {"fleet"}),
+    ],
+)
+def test_the_reader_resolves_relative_imports(
+    tmp_path: Path, source: str, where: str, expected: set[str]
+) -> None:
+    path = tmp_path / where
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source)
+    assert imports(path, tmp_path)[0] == expected
+
+
+def test_an_upward_import_and_a_cycle_would_be_caught() -> None:
+    g = {"tree": {"engine_round"}, "engine_round": {"tree"}}
+    assert upward(g) == ["tree (pure) imports engine_round (I/O)"]
+    assert cycles(g) == ["engine_round -> tree -> engine_round"]
