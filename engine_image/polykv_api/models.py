@@ -300,6 +300,19 @@ class TpsSnapshot(BaseModel):
     sessions: list[SessionTps]
 
 
+class CpuBackend(BaseModel):
+    """The ggml CPU backend this engine runs on, from the backend's own report."""
+
+    variant: str | None = Field(
+        description="the per-CPU build picked for this machine (e.g. haswell, zen4); "
+        "null when the CPU backend is linked in"
+    )
+    features: dict[str, str] = Field(description="instruction sets it uses, e.g. AVX2: 1")
+    extra_buffer_types: list[str] = Field(description="weight layouts beyond the file's")
+    repack: bool = Field(description="weights repacked into an extra buffer type (--no-repack)")
+    amx: bool = Field(description="AMX kernels present (never in PolyKV's own build)")
+
+
 class PolykvProps(BaseModel):
     """The ``polykv`` block of ``GET /props``."""
 
@@ -316,6 +329,7 @@ class PolykvProps(BaseModel):
     tps_window_seconds: float
     tps_stream_interval_ms: int
     context_shift: bool
+    cpu_backend: CpuBackend
 
 
 # --------------------------------------------------------------------------- pools

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import logging
 import os
@@ -161,6 +162,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=20.0,
         help="seconds in-flight requests get to finish on SIGTERM",
     )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the boot-time test decode (a model that cannot run then fails on the "
+        "first request instead of at boot)",
+    )
+    p.add_argument(
+        "--swa-full",
+        action="store_true",
+        default=bool(_env("SWA_FULL", "")),
+        help="sliding-window models: a full-size SWA cache (more memory, more prompt reuse)",
+    )
+    p.add_argument(
+        "--no-repack",
+        action="store_true",
+        default=bool(_env("NO_REPACK", "")),
+        help="keep weights in their file layout (no CPU-specific repacking)",
+    )
     p.add_argument("--log-format", choices=["text", "json"], default="text")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -212,6 +231,11 @@ def config_from_args(
             "pools need a unified KV cache: llama.cpp aborts on a partial copy between the "
             "streams of a split cache. Drop --no-kv-unified or pass --polykv-max-pools 0."
         )
+    if args.flash_attn == "off" and args.cache_type_v not in ("f16", "f32"):
+        parser.error(
+            f"--cache-type-v {args.cache_type_v} needs flash attention (llama.cpp keeps a "
+            "quantized V cache only with it): drop -fa off or use -ctv f16"
+        )
     if not 50 <= args.polykv_tps_interval_ms <= 60_000:
         parser.error("--polykv-tps-interval-ms must be between 50 and 60000")
     api_keys = _keys(args.api_key, "LLAMA_API_KEY", args.api_key_file, "--api-key-file", parser)
@@ -235,6 +259,8 @@ def config_from_args(
         cache_type_k=args.cache_type_k,
         cache_type_v=args.cache_type_v,
         kv_debug=args.polykv_kv_debug,
+        repack=not args.no_repack,
+        swa_full=args.swa_full,
     )
     engine_cfg = EngineConfig(
         runtime=runtime,
@@ -243,6 +269,7 @@ def config_from_args(
         context_shift=args.context_shift,
         pool_grace_s=args.polykv_pool_grace_ms / 1e3,
         kv_debug=args.polykv_kv_debug,
+        warmup=not args.no_warmup,
     )
     settings = ServerSettings(
         host=args.host,
@@ -271,6 +298,9 @@ def setup_logging(fmt: str, verbose: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     engine_cfg, settings, args = config_from_args(argv)
     setup_logging(args.log_format, args.verbose)
+    # A crash inside llama.cpp (SIGSEGV, SIGILL, SIGABRT from a GGML_ASSERT) kills the process
+    # without a Python traceback; faulthandler prints the fatal signal and every thread's stack.
+    faulthandler.enable(all_threads=True)
     if not settings.api_keys:
         logging.getLogger("polykv").warning(
             "no --api-key given: every route is open; pass a key outside local development"

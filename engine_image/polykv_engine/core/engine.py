@@ -68,6 +68,7 @@ class EngineConfig:
     tps_window_s: float = 2.0
     pool_grace_s: float = 10.0  # an idle pool is kept this long before KV pressure may evict it
     kv_debug: bool = False  # reserve a probe sequence to read llama.cpp's used-cell count
+    warmup: bool = True  # run the model once before reporting ready (--no-warmup: skip)
 
 
 class Engine:
@@ -179,6 +180,10 @@ class Engine:
         t0 = time.perf_counter()
         rt = LlamaRuntime(rcfg)
         self.runtime = rt
+        if self.cfg.warmup:
+            tw = time.perf_counter()
+            rt.warm_up(0)
+            log.info("warm-up decode done in %.2fs", time.perf_counter() - tw)
         n_ctx_slot = min(rt.n_ctx_seq, rt.info.n_ctx_train or rt.n_ctx_seq)
         self._batch = rt.new_batch()
         self._kv = KVCache(rt)
@@ -200,6 +205,16 @@ class Engine:
         if rt.info.is_recurrent or rt.info.is_hybrid:
             # Recurrent state cannot be shared by position range: no pools on such a model.
             self.pools_disabled_reason = "this model keeps recurrent state; pools need a KV cache"
+        elif rt.info.n_swa > 0 and self.cfg.max_pools > 0:
+            # llama.cpp reuses a sliding-window layer's cells once they fall out of their
+            # sequence's window; a pool's own cells would be overwritten and a later attach
+            # or fork would read a prefix with holes. Refuse rather than serve that.
+            self.pools_disabled_reason = (
+                f"this model uses sliding-window attention (window {rt.info.n_swa} tokens): "
+                "llama.cpp recycles cells outside the window, so a shared prefix cannot be kept "
+                "whole; pools are disabled on it (sessions and prompt caching still work)"
+            )
+            log.warning("pools disabled: %s", self.pools_disabled_reason)
         elif self.cfg.max_pools == 0:
             self.pools_disabled_reason = "pools are disabled (--polykv-max-pools 0)"
         log.info(
@@ -375,6 +390,7 @@ class Engine:
         if not task.cache_prompt:
             keep = min(keep, p_shared)
         keep = min(keep, len(task.prompt) - 1)  # the last prompt token is recomputed for logits
+        keep = self._swa_reusable(slot, keep)
         self.kv.truncate(slot.slot_id, keep)
         del slot.cache_tokens[keep:]
         self._update_pool_link(slot, task.pool)
@@ -409,6 +425,24 @@ class Engine:
             keep,
             task.pool.label if task.pool else None,
         )
+
+    def _swa_reusable(self, slot: Slot, keep: int) -> int:
+        """On a sliding-window model, cached tokens can be reused only while the window
+        before them is still in the cache (cells that left it may have been recycled)."""
+        n_swa = self.rt.info.n_swa
+        if n_swa <= 0 or keep <= 0 or keep >= len(slot.cache_tokens):
+            return keep
+        pos_min = self.rt.seq_pos_min(slot.slot_id)
+        if pos_min > max(0, keep - n_swa):
+            log.info(
+                "slot %d: the sliding window before position %d was recycled; "
+                "reprocessing the prompt",
+                slot.slot_id,
+                keep,
+            )
+            self.slots.forget_kv(slot)
+            return 0
+        return keep
 
     def _update_pool_link(self, slot: Slot, pool: Pool | None) -> None:
         """Keep slot.pool_id true: set while the slot's first cells are still that pool's."""

@@ -131,7 +131,7 @@ def _extra_buffer_types(lib: ctypes.CDLL) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _init_backend() -> BackendInfo:
+def init_backend() -> BackendInfo:
     """Load ggml's backends once: with per-CPU builds (GGML_BACKEND_DL) the best module for
     this CPU is chosen at run time from the wheel's lib folder (or POLYKV_GGML_BACKEND_DIR)."""
     global _backend
@@ -187,6 +187,8 @@ class RuntimeConfig:
     flash_attn: str = "auto"  # on | off | auto (auto = on only when layers are offloaded)
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
+    repack: bool = True  # weights repacked into the CPU's fastest layout (--no-repack: off)
+    swa_full: bool = False  # full-size sliding-window cache (llama-server's --swa-full)
 
 
 # KV cache element types: ggml type id and bytes per element (q8_0: 34-byte blocks of 32).
@@ -211,6 +213,7 @@ class ModelInfo:
     size_bytes: int
     is_recurrent: bool
     is_hybrid: bool
+    n_swa: int  # sliding-window size of the SWA layers; 0 = full attention everywhere
     chat_template: str | None
     bos: int
     eos: int
@@ -308,7 +311,7 @@ class LlamaRuntime:
     """A loaded model with one context; owns their lifetimes (``close`` frees both)."""
 
     def __init__(self, cfg: RuntimeConfig) -> None:
-        self.backend = _init_backend()
+        self.backend = init_backend()
         self.cfg = cfg
         self._stack = contextlib.ExitStack()
         path = Path(cfg.model_path)
@@ -316,6 +319,13 @@ class LlamaRuntime:
             raise LlamaError(f"model file not found: {path}")
         mparams = C.llama_model_default_params()
         mparams.n_gpu_layers = cfg.n_gpu_layers
+        mparams.use_extra_bufts = cfg.repack
+        if cfg.repack and self.backend.amx and not os.environ.get("POLYKV_ALLOW_AMX"):
+            # ggml's AMX kernels are only reached through the extra buffer types; on CPUs
+            # where the thread lacks the AMX permission they die with SIGILL.
+            log.warning("this llama.cpp build has AMX kernels: weight repacking is turned off")
+            mparams.use_extra_bufts = False
+        self.repack = bool(mparams.use_extra_bufts)
         model = C.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise LlamaError(f"failed to load model from {path} (see the log above)")
@@ -339,6 +349,7 @@ class LlamaRuntime:
         cparams.n_threads = threads
         cparams.n_threads_batch = cfg.n_threads_batch or threads
         cparams.kv_unified = cfg.kv_unified
+        cparams.swa_full = cfg.swa_full
         cparams.flash_attn_type = self._flash_attn_type(cfg)
         cparams.type_k = CACHE_TYPES[cfg.cache_type_k][0]
         cparams.type_v = CACHE_TYPES[cfg.cache_type_v][0]
@@ -360,8 +371,11 @@ class LlamaRuntime:
     @staticmethod
     def _flash_attn_type(cfg: RuntimeConfig) -> int:
         # On CPU, flash attention is several times slower for small query batches (decode),
-        # so "auto" enables it only when layers run on an accelerator.
-        if cfg.flash_attn == "on":
+        # so "auto" enables it only when layers run on an accelerator, or when the V cache is
+        # quantized (llama.cpp stores a quantized V only with flash attention).
+        if cfg.flash_attn == "on" or (
+            cfg.flash_attn == "auto" and cfg.cache_type_v not in ("f16", "f32")
+        ):
             return int(C.LLAMA_FLASH_ATTN_TYPE_ENABLED)
         if cfg.flash_attn == "off" or cfg.n_gpu_layers == 0:
             return int(C.LLAMA_FLASH_ATTN_TYPE_DISABLED)
@@ -385,6 +399,7 @@ class LlamaRuntime:
             size_bytes=int(C.llama_model_size(m)),
             is_recurrent=bool(C.llama_model_is_recurrent(m)),
             is_hybrid=bool(C.llama_model_is_hybrid(m)),
+            n_swa=int(C.llama_model_n_swa(m)),
             chat_template=tmpl.decode("utf-8", "replace") if tmpl else None,
             bos=int(C.llama_vocab_bos(self._vocab)),
             eos=int(C.llama_vocab_eos(self._vocab)),
@@ -466,9 +481,38 @@ class LlamaRuntime:
         self._check_seq(seq)
         C.llama_memory_seq_add(self._mem, seq, p0, p1, delta)
 
+    def seq_pos_min(self, seq: int) -> int:
+        """The smallest position ``seq`` still holds (-1 when empty). With a sliding-window
+        cache this is the SWA layers' view: cells that fell out of the window are reused."""
+        self._check_seq(seq)
+        return int(C.llama_memory_seq_pos_min(self._mem, seq))
+
     def seq_pos_max(self, seq: int) -> int:
         self._check_seq(seq)
         return int(C.llama_memory_seq_pos_max(self._mem, seq))
+
+    def warm_up(self, seq: int) -> None:
+        """Run the model once, the way requests will (a prompt chunk, then one decoded
+        token, on every thread), and leave the cache as it was: a model or CPU backend that
+        cannot run fails here, at boot, instead of on the first user's request."""
+        self._check_seq(seq)
+        first = self.info.bos if self.info.bos >= 0 else 0
+        last = self.info.eos if self.info.eos >= 0 else first
+        batch = Batch(min(self.n_batch, 8))
+        try:
+            for i, tok in enumerate([first, last, first, last]):
+                batch.add(tok, i, seq, i == 3)
+            if self.decode(batch) != 0:
+                raise LlamaError("warm-up: no room in the KV cache for 4 tokens")
+            batch.clear()
+            batch.add(first, 4, seq, True)
+            if self.decode(batch) != 0:
+                raise LlamaError("warm-up: no room in the KV cache for 5 tokens")
+            if not C.llama_get_logits_ith(self.ctx, 0):
+                raise LlamaError("warm-up: the model produced no logits")
+        finally:
+            batch.free()
+            C.llama_memory_seq_rm(self._mem, seq, -1, -1)
 
     def measure_used_cells(self, probe_seq: int) -> int | None:
         """Used KV cells as llama.cpp counts them: decode one probe token into the empty

