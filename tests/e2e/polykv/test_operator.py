@@ -275,6 +275,13 @@ class EngineApi:
         r.raise_for_status()
         return {p["name"]: PoolStatus.model_validate(p) for p in r.json()["pools"]}
 
+    def create(self, ip: str, body: Obj) -> str:
+        """A root pool made by hand on one replica; its prefix hash."""
+        url = f"http://{ip}:8080/polykv/pools"
+        r = httpx.post(url, json=body, headers=self.headers, timeout=60)
+        r.raise_for_status()
+        return str(r.json()["prefix_hash"])
+
     def pools_or_none(self, ip: str) -> dict[str, PoolStatus] | None:
         try:
             return self.pools(ip)
@@ -584,9 +591,15 @@ def test_invalid_specs_stall_with_a_precise_reason(
     )
     root = wait_condition(k8s_cluster, namespace, "polykvpools", "root", "Ready")
     length = root["status"]["prefixLen"]
+    # A pool someone made on the engine by hand, under the name of a PolyKVPool to come: the
+    # engine refuses it with the reason code name_conflict, whatever its wording.
+    eng = EngineApi(k8s_cluster, namespace)
+    (rep,) = replicas(k8s_cluster, namespace)
+    theirs = eng.create(rep.ip, {"name": "squatter", "prompt": "Somebody else's prefix."})
     apply(
         k8s_cluster,
         namespace,
+        pool_manifest("squatter", text="Our own prefix."),
         pool_manifest(
             "too-far", parent="root", text="You are the crew.\nAnd more.", branchPos=length + 5
         ),
@@ -605,15 +618,17 @@ def test_invalid_specs_stall_with_a_precise_reason(
             f'engine "no-such-engine" does not exist in namespace {namespace}',
         ),
         "mixed": ("AppendMismatch", 'parent "root" is given as text'),
+        "squatter": ("NameConflict", "DELETE /polykv/pools/squatter"),
     }
     for name, (want_reason, want_text) in expect.items():
         obj = wait_condition(k8s_cluster, namespace, "polykvpools", name, "Stalled", 60)
         got_reason, got_message = reason(obj, "Stalled")
         assert got_reason == want_reason and want_text in got_message, (name, got_message)
         assert condition(obj, "Ready") == "False"
-    # Nothing half-created: only the valid root is on the engine.
-    eng = EngineApi(k8s_cluster, namespace)
-    assert set(eng.pools(replicas(k8s_cluster, namespace)[0].ip)) == {"root"}
+    # Nothing half-created: only the valid root is on the engine (and the squatter, as made).
+    on_engine = eng.pools(rep.ip)
+    assert set(on_engine) == {"root", "squatter"}
+    assert on_engine["squatter"].prefix_hash == theirs
     # The spec is immutable: the API server refuses an edit.
     out = k8s_cluster.kubectl(
         "patch",
