@@ -94,6 +94,24 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[PromptPart]
     n_predict: int = Field(-1, ge=-1, description="-1 generates until EOS or the context ends")
+    max_tokens: int | None = Field(None, ge=0, description="alias of n_predict (llama-server)")
+    max_completion_tokens: int | None = Field(None, ge=0, description="alias of n_predict")
+    n_probs: int = Field(
+        0, ge=0, le=20, description="log-probabilities of the N most likely tokens per step"
+    )
+    grammar: str | None = Field(None, min_length=1, description="GBNF the output must match")
+    json_schema: dict[str, Any] | None = Field(
+        None, description="JSON Schema the output must validate against"
+    )
+
+    def limit(self) -> int:
+        """Tokens to generate: n_predict, else its aliases (as llama-server reads them)."""
+        if self.n_predict != -1:
+            return self.n_predict
+        for alias in (self.max_completion_tokens, self.max_tokens):
+            if alias is not None:
+                return alias
+        return -1
 
     @field_validator("prompt")
     @classmethod
@@ -119,6 +137,9 @@ class OAICompletionRequest(SamplingFields):
     n: int = Field(1, ge=1, le=1, description="only one choice per request is supported")
     echo: bool = False
     stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="log-probabilities of the N most likely tokens per step"
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -159,11 +180,32 @@ class ChatMessage(BaseModel):
         return "".join(str(part["text"]) for part in self.content)
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Literal["text"] = Field(
-        "text", description="only plain text; JSON modes need a grammar, not supported yet"
+    """OpenAI ``response_format``: free text, any JSON object, or JSON valid against a
+    schema; the JSON modes are enforced by a grammar, so the reply always parses."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(
+        None, alias="schema", description="llama-server's shorthand for json_object + schema"
     )
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _schema_when_needed(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object with a schema')
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -172,13 +214,18 @@ class ChatCompletionRequest(SamplingFields):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='"none", "auto", "required" or {"type": "function", "function": {...}}'
+    )
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
     n: int = Field(1, ge=1, le=1, description="only one choice per request is supported")
     response_format: ResponseFormat | None = None
     stream_options: StreamOptions | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=20)
 
 
 class TokenizeRequest(_Control):

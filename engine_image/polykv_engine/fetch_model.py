@@ -125,21 +125,12 @@ def quantize(name: str, spec: Derived, cache: Path) -> Path:
     if target.is_file() and stamp.is_file() and stamp.read_text() == want:
         return target
     say(f"{name}: quantizing {spec.source} to {spec.ftype} with llama.cpp")
-    import llama_cpp.llama_cpp as C
-
-    from polykv_engine.llama.runtime import init_backend
+    from polykv_engine.llama.quantize import quantize as llama_quantize
 
     logging.getLogger("polykv.llama").setLevel(logging.ERROR)  # per-tensor fallback chatter
-    init_backend()
-    params = C.llama_model_quantize_default_params()
-    params.ftype = getattr(C, f"LLAMA_FTYPE_MOSTLY_{spec.ftype}")
-    params.allow_requantize = True  # the source is itself quantized
-    params.nthread = os.cpu_count() or 1
     tmp = target.with_suffix(".tmp")
     t0 = time.monotonic()
-    rc = C.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
-    if rc != 0:
-        raise SystemExit(f"!! {name}: llama_model_quantize returned {rc}")
+    llama_quantize(src, tmp, spec.ftype)
     tmp.replace(target)
     stamp.write_text(want)
     say(f"{name}: {target} ({target.stat().st_size / 1e6:.0f} MB in {time.monotonic() - t0:.1f}s)")

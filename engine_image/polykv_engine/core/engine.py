@@ -402,7 +402,7 @@ class Engine:
         if sampling.has_penalties:
             n = sampling.repeat_last_n
             for tok in task.prompt[-n:] if n > 0 else task.prompt:
-                slot.sampler.accept(tok)
+                slot.sampler.accept_prompt(tok)
         slot.seed = sampling.seed
         slot.task = task
         slot.state = "prefill"
@@ -587,9 +587,12 @@ class Engine:
         if self.rt.is_eog(tok) and not stop.ignore_eos:
             self._finish(slot, "eos")
             return
-        text = slot.assembler.push(self.rt.token_bytes(tok))
-        if text or not slot.assembler.stops:
-            task.sink.emit(TokenEvent(text, tok))
+        probs = None
+        if task.logprobs is not None:  # from the logits the sampler just used
+            probs = self.rt.token_logprobs(slot.logits_idx, tok, task.logprobs)
+        text = slot.assembler.push(self.rt.token_bytes(tok, tok in task.preserved_tokens))
+        if text or not slot.assembler.stops or probs is not None:
+            task.sink.emit(TokenEvent(text, tok, probs))
         if slot.assembler.stopping_word is not None:
             self._finish(slot, "word")
             return

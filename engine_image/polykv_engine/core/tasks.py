@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from polykv_api.models import PoolRef, Reason
+from polykv_engine.llama.runtime import TokenLogprobs
 from polykv_engine.llama.sampling import SamplingParams, StopParams
 
 if TYPE_CHECKING:
@@ -29,8 +30,9 @@ StopType = Literal["eos", "word", "limit", "none"]
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
-    text: str
+    text: str  # may be empty: bytes of an unfinished character or a possible stop string
     token: int
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,8 @@ class GenerateTask:
     n_keep: int = 0
     pool_ref: PoolRef | None = None  # attach to this pool (id or name)
     pool_p: int | None = None  # explicit shared prefix length; None = auto-P
+    logprobs: int | None = None  # report each token's logprob and this many alternatives
+    preserved_tokens: frozenset[int] = frozenset()  # special tokens rendered as text
     task_id: int = field(default_factory=next_task_id)
     submitted_at: float = 0.0
     # Filled in on the engine thread:

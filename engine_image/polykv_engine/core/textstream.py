@@ -17,6 +17,8 @@ class TextAssembler:
     text: str = ""
     stopping_word: str | None = None
     _emitted: int = 0
+    # "replace" only for bytes that can never be valid UTF-8; an unfinished character is
+    # held by the incremental decoder until its next bytes arrive.
     _decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
@@ -42,9 +44,9 @@ class TextAssembler:
         return self._take(len(self.text))
 
     def flush(self) -> str:
-        """End of generation: release whatever was held back."""
-        if self.stopping_word is None:
-            self.text += self._decoder.decode(b"", final=True)
+        """End of generation: release whatever was held back. Bytes of a character the
+        generation stopped in the middle of are dropped (never sent as U+FFFD)."""
+        self._decoder.reset()
         return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:

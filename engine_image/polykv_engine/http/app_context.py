@@ -9,9 +9,16 @@ from typing import Any
 from aiohttp import web
 
 from polykv_api.models import ChatCompletionRequest, ChatMessage, PromptPart
+from polykv_engine.chat.template import ChatRenderer, ChatTemplateError
+from polykv_engine.chat.tools import (
+    ToolError,
+    ToolFormat,
+    detect_format,
+    function_of,
+    render_history,
+)
 from polykv_engine.core.engine import Engine
 from polykv_engine.http.admission_gate import AdmissionGate
-from polykv_engine.http.chat import ChatRenderer, ChatTemplateError
 from polykv_engine.http.errors import ApiError
 from polykv_engine.http.metrics import PoolGauges
 from polykv_engine.llama.runtime import LlamaRuntime
@@ -93,6 +100,24 @@ class AppContext:
                     tokens.extend(rt.tokenize(part, add_special=(i == 0), parse_special=True))
         return self.check_prompt_fits(tokens)
 
+    def token_piece(self, token: int) -> bytes:
+        """A token's bytes as the output shows them (special tokens by their text)."""
+        return self.rt.token_bytes(token, special=True)
+
+    def special_tokens(self, markers: tuple[str, ...]) -> frozenset[int]:
+        """Ids of the markers that are single (special) tokens in this vocabulary."""
+        ids = set()
+        for marker in markers:
+            toks = self.rt.tokenize(marker, add_special=False, parse_special=True)
+            if len(toks) == 1:
+                ids.add(toks[0])
+        return frozenset(ids)
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """The tool-call syntax the model's chat template teaches it."""
+        return detect_format(self.renderer.source)
+
     def render_chat(self, req: ChatCompletionRequest) -> str:
         return self.render_messages(req.messages, req.tools, True, req.chat_template_kwargs)
 
@@ -110,8 +135,16 @@ class AppContext:
             d = m.model_dump(exclude_none=True)
             d["content"] = m.text()
             rendered.append(d)
+        fmt = self.tool_format
         try:
-            text = self.renderer.render(rendered, tools, add_generation_prompt, extra)
+            functions = [function_of(t) for t in tools or []]
+            rendered = render_history(fmt, rendered, functions)
+        except ToolError as exc:
+            raise ApiError(400, str(exc)) from exc
+        # A template without tool support gets the tools in its system message instead.
+        for_template = tools if fmt != "generic" else None
+        try:
+            text = self.renderer.render(rendered, for_template, add_generation_prompt, extra)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), reason="template_error") from exc
         bos = self.renderer.bos_token

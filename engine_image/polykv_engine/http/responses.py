@@ -2,18 +2,24 @@
 
 Field names follow llama-server (native ``/completion``) and the OpenAI API (``/v1/*``) so
 existing clients parse them unchanged; ``timings`` is the polykv_api ``Timings`` model.
+A chat request with tools gets its output parsed into ``tool_calls`` (whole, or streamed as
+``delta.tool_calls``); a request for log-probabilities gets them in each API's own shape.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from polykv_api.models import Timings
-from polykv_engine.core.tasks import GenerationResult
+from polykv_engine.chat.tools import ArgsDelta, CallStart, ContentDelta, Delta, ToolCallParser
+from polykv_engine.core.tasks import GenerationResult, TokenEvent
+from polykv_engine.llama.runtime import TokenLogprobs
 
 Route = Literal["completion", "oai_completion", "oai_chat"]
+Piece = Callable[[int], bytes]  # a token's bytes
 
 
 def timings(r: GenerationResult) -> Timings:
@@ -33,11 +39,13 @@ def timings(r: GenerationResult) -> Timings:
     )
 
 
-def finish_reason(r: GenerationResult) -> str:
+def finish_reason(r: GenerationResult, tool_calls: bool = False) -> str:
+    if tool_calls:
+        return "tool_calls"
     return "length" if r.stop_type == "limit" else "stop"
 
 
-def _usage(r: GenerationResult) -> dict[str, Any]:
+def usage(r: GenerationResult) -> dict[str, Any]:
     return {
         "prompt_tokens": r.n_prompt_tokens,
         "completion_tokens": r.predicted_n,
@@ -56,43 +64,116 @@ def _polykv(r: GenerationResult) -> dict[str, Any]:
     }
 
 
+class Logprobs:
+    """Per-token log-probabilities rendered in the three APIs' shapes."""
+
+    def __init__(self, piece: Piece) -> None:
+        self.piece = piece
+        self.entries: list[TokenLogprobs] = []
+        self.offset = 0  # characters before the next token (legacy completions' text_offset)
+
+    def _text(self, token: int) -> tuple[str, list[int]]:
+        raw = self.piece(token)
+        return raw.decode("utf-8", "replace"), list(raw)
+
+    def openai_chat(self, entries: list[TokenLogprobs]) -> dict[str, Any]:
+        def one(token: int, lp: float) -> dict[str, Any]:
+            text, raw = self._text(token)
+            return {"token": text, "logprob": lp, "bytes": raw}
+
+        return {
+            "content": [
+                {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                for e in entries
+            ]
+        }
+
+    def openai_completion(self, entries: list[TokenLogprobs]) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for e in entries:
+            text, _ = self._text(e.token)
+            tokens.append(text)
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._text(t)[0]: lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def native(self, entries: list[TokenLogprobs]) -> list[dict[str, Any]]:
+        def one(token: int, lp: float) -> dict[str, Any]:
+            text, raw = self._text(token)
+            return {"id": token, "token": text, "bytes": raw, "logprob": lp}
+
+        return [
+            {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+            for e in entries
+        ]
+
+
 class ResponseBuilder:
     """Builds the bodies of one completion request, streamed or not."""
 
-    def __init__(self, route: Route, model: str, prompt_text: str | None = None) -> None:
+    def __init__(
+        self,
+        route: Route,
+        model: str,
+        prompt_text: str | None = None,
+        tools: ToolCallParser | None = None,
+        logprobs: Logprobs | None = None,
+    ) -> None:
         self.route = route
         self.model = model
         self.created = int(time.time())
         prefix = "chatcmpl" if route == "oai_chat" else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.prompt_text = prompt_text
+        self.tools = tools
+        self.logprobs = logprobs
         self.n_chunks = 0
+        self._pending: list[TokenLogprobs] = []  # logprobs not yet sent with a chunk
 
     # ------------------------------------------------------------------ whole responses
 
-    def final(self, r: GenerationResult, content: str) -> dict[str, Any]:
+    def final(self, r: GenerationResult, events: list[TokenEvent]) -> dict[str, Any]:
+        content = "".join(e.text for e in events)
+        probs = [e.logprobs for e in events if e.logprobs is not None]
         if self.route == "completion":
-            return self._native_final(r, content, stream=False)
+            body = self._native_final(r, content, stream=False)
+            if self.logprobs is not None:
+                body["completion_probabilities"] = self.logprobs.native(probs)
+            return body
         if self.route == "oai_completion":
             text = (self.prompt_text or "") + content if self.prompt_text is not None else content
             choice: dict[str, Any] = {
                 "index": 0,
                 "text": text,
-                "logprobs": None,
+                "logprobs": self.logprobs.openai_completion(probs) if self.logprobs else None,
                 "finish_reason": finish_reason(r),
             }
             obj = "text_completion"
         else:
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            calls = False
+            if self.tools is not None:
+                self.tools.feed(content)
+                self.tools.finish()
+                calls = bool(self.tools.calls)
+                message["content"] = self.tools.content or (None if calls else "")
+                if calls:
+                    message["tool_calls"] = [c.openai() for c in self.tools.calls]
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": content},
-                "logprobs": None,
-                "finish_reason": finish_reason(r),
+                "message": message,
+                "logprobs": self.logprobs.openai_chat(probs) if self.logprobs else None,
+                "finish_reason": finish_reason(r, calls),
             }
             obj = "chat.completion"
         return {
             **self._envelope(obj, [choice]),
-            "usage": _usage(r),
+            "usage": usage(r),
             "timings": timings(r).model_dump(),
             "polykv": _polykv(r),
         }
@@ -120,58 +201,103 @@ class ResponseBuilder:
 
     # ------------------------------------------------------------------ stream chunks
 
-    def chunk(self, text: str, token: int) -> dict[str, Any] | None:
-        """One streamed piece, or None when there is nothing worth sending."""
+    def chunks(self, ev: TokenEvent) -> list[dict[str, Any]]:
+        """What one engine event becomes on the wire (often one chunk, sometimes none)."""
+        if ev.logprobs is not None:
+            self._pending.append(ev.logprobs)
         if self.route == "completion":
-            return {
+            chunk: dict[str, Any] = {
                 "index": 0,
-                "content": text,
-                "tokens": [token] if token >= 0 else [],
+                "content": ev.text,
+                "tokens": [ev.token] if ev.token >= 0 else [],
                 "stop": False,
                 "id_slot": -1,
             }
-        if not text:
-            return None
-        self.n_chunks += 1
+            if self.logprobs is not None:
+                chunk["completion_probabilities"] = self.logprobs.native(self._take())
+            return [chunk]
         if self.route == "oai_completion":
-            return self._oai_chunk(
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
-            )
-        delta: dict[str, Any] = {"content": text}
-        if self.n_chunks == 1:
-            delta["role"] = "assistant"
-        return self._oai_chunk(
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            if not ev.text:
+                return []
+            probs = self.logprobs.openai_completion(self._take()) if self.logprobs else None
+            choice = {"index": 0, "text": ev.text, "logprobs": probs, "finish_reason": None}
+            return [self._oai_chunk(choice)]
+        deltas: list[Delta] = (
+            self.tools.feed(ev.text) if self.tools is not None else [ContentDelta(ev.text)]
         )
+        return self._chat_chunks(deltas)
+
+    def _take(self) -> list[TokenLogprobs]:
+        out, self._pending = self._pending, []
+        return out
+
+    def _chat_chunks(self, deltas: list[Delta]) -> list[dict[str, Any]]:
+        delta: dict[str, Any] = {}
+        content = "".join(d.text for d in deltas if isinstance(d, ContentDelta))
+        if content:
+            delta["content"] = content
+        calls = []
+        for d in deltas:
+            if isinstance(d, CallStart):
+                c = d.call
+                calls.append(
+                    {
+                        "index": c.index,
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments},
+                    }
+                )
+            elif isinstance(d, ArgsDelta):
+                calls.append({"index": d.index, "function": {"arguments": d.text}})
+        if calls:
+            delta["tool_calls"] = calls
+        if not delta:
+            return []
+        self.n_chunks += 1
+        if self.n_chunks == 1:
+            delta = {"role": "assistant", **delta}
+            delta.setdefault("content", None if calls else "")
+        probs = self.logprobs.openai_chat(self._take()) if self.logprobs else None
+        return [
+            self._oai_chunk({"index": 0, "delta": delta, "logprobs": probs, "finish_reason": None})
+        ]
 
     def stream_final(self, r: GenerationResult) -> list[dict[str, Any]]:
-        """The closing chunk(s): finish reason, timings, and usage when asked for."""
+        """The closing chunk(s): what the parser still held, the finish reason, timings."""
         if self.route == "completion":
             return [self._native_final(r, "", stream=True)]
+        out: list[dict[str, Any]] = []
+        calls = False
         if self.route == "oai_completion":
+            rest = self.logprobs.openai_completion(self._take()) if self.logprobs else None
             choice: dict[str, Any] = {
                 "index": 0,
                 "text": "",
-                "logprobs": None,
+                "logprobs": rest if rest and rest["tokens"] else None,
                 "finish_reason": finish_reason(r),
             }
         else:
+            if self.tools is not None:
+                out += self._chat_chunks(self.tools.finish())
+                calls = bool(self.tools.calls)
             delta: dict[str, Any] = {} if self.n_chunks else {"role": "assistant", "content": ""}
+            rest_chat = self.logprobs.openai_chat(self._take()) if self.logprobs else None
             choice = {
                 "index": 0,
                 "delta": delta,
-                "logprobs": None,
-                "finish_reason": finish_reason(r),
+                "logprobs": rest_chat if rest_chat and rest_chat["content"] else None,
+                "finish_reason": finish_reason(r, calls),
             }
         last = self._oai_chunk(choice)
         last["timings"] = timings(r).model_dump()
         last["polykv"] = _polykv(r)
-        return [last]
+        return [*out, last]
 
     def usage_chunk(self, r: GenerationResult) -> dict[str, Any]:
         out = self._oai_chunk(None)
         out["choices"] = []
-        out["usage"] = _usage(r)
+        out["usage"] = usage(r)
         return out
 
     def _oai_chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:

@@ -20,18 +20,24 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import math
 import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Must be set before libllama (and its OpenMP runtime) is loaded: busy-waiting worker threads
 # starve the HTTP thread on small machines.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import llama_cpp.llama_cpp as C
+import numpy as np
 
+from polykv_engine.llama.grammar import Grammar, GrammarError
+from polykv_engine.llama.grammar import check as check_grammar
+from polykv_engine.llama.grammar import sampler as grammar_sampler
 from polykv_engine.llama.sampling import SamplingParams
 
 log = logging.getLogger("polykv.llama")
@@ -168,6 +174,13 @@ def init_backend() -> BackendInfo:
     return _backend
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token, logprob), most likely first
+
+
 class LlamaError(RuntimeError):
     """llama.cpp refused an operation (bad model file, failed decode, ...)."""
 
@@ -265,26 +278,34 @@ class Batch:
 
 
 class Sampler:
-    """A llama.cpp sampler chain for one request; free it when the request ends."""
+    """A llama.cpp sampler chain for one request; free it when the request ends.
 
-    def __init__(self, params: SamplingParams, n_vocab: int) -> None:
+    A grammar, when given, comes first: it removes every token that cannot continue a valid
+    output, and the usual samplers choose among the rest (llama.cpp's chain order)."""
+
+    def __init__(self, params: SamplingParams, n_vocab: int, vocab: Any) -> None:
         cparams = C.llama_sampler_chain_default_params()
         chain = C.llama_sampler_chain_init(cparams)
         if not chain:
             raise LlamaError("llama_sampler_chain_init failed")
         self._chain: ctypes.c_void_p | None = chain
+        self._penalties: ctypes.c_void_p | None = None
         add = C.llama_sampler_chain_add
+        if params.grammar is not None:
+            try:
+                add(chain, grammar_sampler(vocab, params.grammar))
+            except GrammarError:
+                self.free()
+                raise
         if params.has_penalties:
-            add(
-                chain,
-                C.llama_sampler_init_penalties(
-                    n_vocab,
-                    params.repeat_last_n,
-                    params.repeat_penalty,
-                    params.frequency_penalty,
-                    params.presence_penalty,
-                ),
+            self._penalties = C.llama_sampler_init_penalties(
+                n_vocab,
+                params.repeat_last_n,
+                params.repeat_penalty,
+                params.frequency_penalty,
+                params.presence_penalty,
             )
+            add(chain, self._penalties)
         if params.greedy:
             add(chain, C.llama_sampler_init_greedy())
         else:
@@ -294,9 +315,11 @@ class Sampler:
             add(chain, C.llama_sampler_init_temp(params.temperature))
             add(chain, C.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
 
-    def accept(self, token: int) -> None:
-        """Feed a prompt token to stateful samplers (repetition penalties)."""
-        C.llama_sampler_accept(self._chain, token)
+    def accept_prompt(self, token: int) -> None:
+        """Feed a prompt token to the repetition penalties (never to the grammar, which
+        constrains the output only)."""
+        if self._penalties is not None:
+            C.llama_sampler_accept(self._penalties, token)
 
     def sample(self, ctx: ctypes.c_void_p, idx: int) -> int:
         return int(C.llama_sampler_sample(self._chain, ctx, idx))
@@ -447,7 +470,29 @@ class LlamaRuntime:
         return batch
 
     def new_sampler(self, params: SamplingParams) -> Sampler:
-        return Sampler(params, self.info.n_vocab)
+        return Sampler(params, self.info.n_vocab, self._vocab)
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        """Raise GrammarError unless llama.cpp accepts it (safe from any thread: it only
+        reads the vocabulary)."""
+        check_grammar(self._vocab, grammar)
+
+    def token_logprobs(self, idx: int, token: int, n_top: int) -> TokenLogprobs:
+        """log-softmax of the raw logits at batch index ``idx`` (what the model predicted,
+        before any sampler): the chosen token's logprob and the ``n_top`` most likely."""
+        ptr = C.llama_get_logits_ith(self.ctx, idx)
+        if not ptr:
+            raise LlamaError(f"no logits at batch index {idx}")
+        logits = np.ctypeslib.as_array(ptr, shape=(self.info.n_vocab,)).astype(np.float64)
+        peak = float(logits.max())
+        lse = peak + math.log(float(np.exp(logits - peak).sum()))
+        top: tuple[tuple[int, float], ...] = ()
+        if n_top > 0:
+            n = min(n_top, logits.size)
+            best = np.argpartition(-logits, n - 1)[:n]
+            best = best[np.argsort(-logits[best], kind="stable")]
+            top = tuple((int(t), float(logits[t]) - lse) for t in best)
+        return TokenLogprobs(token, float(logits[token]) - lse, top)
 
     def decode(self, batch: Batch) -> int:
         """Run one batch. Returns 0, or 1 when no KV slot was found (state restored)."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
+
+from polykv_engine.llama.grammar import Grammar
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +19,7 @@ class SamplingParams:
     repeat_last_n: int = 64
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    grammar: Grammar | None = None  # constrain the output (response_format, tools, GBNF)
 
     @property
     def greedy(self) -> bool:
@@ -34,10 +37,6 @@ class SamplingParams:
     def resolved(self) -> SamplingParams:
         """Replace seed -1 with a concrete random seed so a response can report it."""
         return self if self.seed >= 0 else replace(self, seed=random.getrandbits(32))
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,10 +48,48 @@ def assert_error(r: httpx.Response, status: int, type_: str, *needles: str) -> N
             "/v1/chat/completions",
             {
                 "messages": [{"role": "user", "content": "x"}],
-                "response_format": {"type": "json_object"},
+                "response_format": {"type": "xml"},
             },
             ["response_format"],
         ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema"},
+            },
+            ["json_schema"],
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            ["tool_choice", "'g'"],
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"description": "no name"}}],
+            },
+            ["tools"],
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+            ["needs tools"],
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21},
+            ["top_logprobs"],
+        ),
+        ("/completion", {"prompt": "x", "grammar": "root ::= nothing-defined"}, ["grammar"]),
+        ("/completion", {"prompt": "x", "grammar": "a", "json_schema": {}}, ["not both"]),
+        ("/completion", {"prompt": "x", "n_probs": 99}, ["n_probs"]),
         ("/tokenize", {"content": 5}, ["content"]),
         ("/detokenize", {"tokens": [-1]}, ["tokens"]),
         ("/detokenize", {"tokens": [10**9]}, ["outside the vocabulary"]),

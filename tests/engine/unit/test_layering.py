@@ -22,6 +22,7 @@ RANKS = {
     "polykv_engine.llama": 1,
     "polykv_engine.policy": 1,
     "polykv_engine.kv": 2,
+    "polykv_engine.chat": 2,
     "polykv_engine.pools": 3,
     "polykv_engine.core": 4,
     "polykv_engine.http": 5,

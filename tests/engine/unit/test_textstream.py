@@ -52,3 +52,16 @@ def test_no_output_after_stop() -> None:
     feed(asm, [b"ax"])
     assert asm.push(b"more") == ""
     assert asm.flush() == ""
+
+
+def test_a_cut_inside_a_character_drops_its_bytes_never_u_fffd() -> None:
+    asm = TextAssembler()
+    euro = "€".encode()
+    assert feed(asm, [b"cost: 5", euro[:2]]) == ["cost: 5", ""]
+    assert asm.flush() == ""
+    assert asm.text == "cost: 5" and "\ufffd" not in asm.text
+
+
+def test_invalid_bytes_in_the_middle_are_replaced() -> None:
+    asm = TextAssembler()
+    assert feed(asm, [b"a\xffb"]) == ["a\ufffdb"]

@@ -23,6 +23,8 @@ from polykv_api.models import (
     SamplingFields,
     TokenizeRequest,
 )
+from polykv_engine.chat.tools import ToolCallParser, ToolError
+from polykv_engine.chat.tools import plan as tool_plan
 from polykv_engine.core.tasks import (
     DoneEvent,
     ErrorEvent,
@@ -33,7 +35,9 @@ from polykv_engine.core.tasks import (
 )
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.errors import ApiError, parse
-from polykv_engine.http.responses import ResponseBuilder, Route
+from polykv_engine.http.responses import Logprobs, ResponseBuilder
+from polykv_engine.llama.grammar import ANY_JSON_OBJECT, Grammar, GrammarError
+from polykv_engine.llama.grammar import from_schema as grammar_from_schema
 from polykv_engine.llama.sampling import SamplingParams, StopParams
 
 log = logging.getLogger("polykv.http")
@@ -52,16 +56,57 @@ class QueueSink:
         self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
+def _sampling(req: SamplingFields, grammar: Grammar | None) -> SamplingParams:
+    return SamplingParams(
+        temperature=req.temperature,
+        top_k=req.top_k,
+        top_p=req.top_p,
+        min_p=req.min_p,
+        seed=req.seed,
+        repeat_penalty=req.repeat_penalty,
+        repeat_last_n=req.repeat_last_n,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        grammar=grammar,
+    )
+
+
+def _checked(ctx: AppContext, grammar: Grammar | None) -> Grammar | None:
+    """The grammar, once llama.cpp has accepted it (a 400 naming the problem otherwise)."""
+    if grammar is not None:
+        try:
+            ctx.rt.check_grammar(grammar)
+        except GrammarError as exc:
+            raise ApiError(400, str(exc)) from exc
+    return grammar
+
+
+def _schema_grammar(schema: dict[str, Any], field: str) -> Grammar:
+    try:
+        return Grammar(grammar_from_schema(schema))
+    except GrammarError as exc:
+        raise ApiError(400, f"{field}: {exc}") from exc
+
+
 def _task_from(
-    req: SamplingFields, prompt: list[int], n_predict: int, request: web.Request, sink: QueueSink
+    req: SamplingFields,
+    prompt: list[int],
+    n_predict: int,
+    request: web.Request,
+    sink: QueueSink,
+    grammar: Grammar | None = None,
+    logprobs: int | None = None,
+    preserved: frozenset[int] = frozenset(),
 ) -> GenerateTask:
     session = req.session_id or request.headers.get("x-session-id") or None
     if session is not None and len(session) > 256:
         raise ApiError(400, "x-session-id: at most 256 characters")
     return GenerateTask(
         prompt=prompt,
-        sampling=SamplingParams(**{f: getattr(req, f) for f in SamplingParams.field_names()}),
+        sampling=_sampling(req, grammar),
         stop=StopParams(n_predict=n_predict, stops=tuple(req.stop), ignore_eos=req.ignore_eos),
+        logprobs=logprobs,
+        preserved_tokens=preserved,
         sink=sink,
         session_id=session,
         id_slot=req.id_slot,
@@ -134,14 +179,14 @@ async def _whole(
     builder: ResponseBuilder,
     extra_headers: dict[str, str],
 ) -> web.Response:
-    parts: list[str] = []
+    events: list[TokenEvent] = []
     while True:
         ev = await sink.queue.get()
         if isinstance(ev, TokenEvent):
-            parts.append(ev.text)
+            events.append(ev)
         elif isinstance(ev, DoneEvent):
             return web.json_response(
-                builder.final(ev.result, "".join(parts)),
+                builder.final(ev.result, events),
                 headers={**_headers(req, task), **extra_headers},
             )
         else:
@@ -180,8 +225,7 @@ async def _stream(
     result: GenerationResult | None = None
     while True:
         if isinstance(ev, TokenEvent):
-            chunk = builder.chunk(ev.text, ev.token)
-            if chunk is not None:
+            for chunk in builder.chunks(ev):
                 await resp.write(_sse(chunk))
         elif isinstance(ev, DoneEvent):
             result = ev.result
@@ -209,10 +253,25 @@ async def completion(request: web.Request) -> web.StreamResponse:
     """llama-server's native completion route."""
     ctx = ctx_of(request)
     req = await parse(request, CompletionRequest)
+    if req.grammar is not None and req.json_schema is not None:
+        raise ApiError(400, "give grammar or json_schema, not both")
+    grammar = Grammar(req.grammar) if req.grammar is not None else None
+    if req.json_schema is not None:
+        grammar = _schema_grammar(req.json_schema, "json_schema")
     prompt = ctx.tokenize_prompt(req.prompt)
     sink = QueueSink(asyncio.get_running_loop())
-    task = _task_from(req, prompt, req.n_predict, request, sink)
-    return await _run(request, ctx, req, task, sink, ResponseBuilder("completion", ctx.model_name))
+    task = _task_from(
+        req,
+        prompt,
+        req.limit(),
+        request,
+        sink,
+        grammar=_checked(ctx, grammar),
+        logprobs=req.n_probs if req.n_probs > 0 else None,
+    )
+    probs = Logprobs(ctx.token_piece) if req.n_probs > 0 else None
+    builder = ResponseBuilder("completion", ctx.model_name, logprobs=probs)
+    return await _run(request, ctx, req, task, sink, builder)
 
 
 async def oai_completion(request: web.Request) -> web.StreamResponse:
@@ -221,23 +280,55 @@ async def oai_completion(request: web.Request) -> web.StreamResponse:
     prompt = ctx.tokenize_prompt(req.prompt)
     sink = QueueSink(asyncio.get_running_loop())
     n_predict = -1 if req.max_tokens is None else req.max_tokens
-    task = _task_from(req, prompt, n_predict, request, sink)
+    task = _task_from(req, prompt, n_predict, request, sink, logprobs=req.logprobs)
     echo = req.prompt if req.echo and isinstance(req.prompt, str) else None
-    builder = ResponseBuilder("oai_completion", req.model or ctx.model_name, echo)
+    probs = Logprobs(ctx.token_piece) if req.logprobs is not None else None
+    builder = ResponseBuilder("oai_completion", req.model or ctx.model_name, echo, logprobs=probs)
     usage = bool(req.stream_options and req.stream_options.include_usage)
     return await _run(request, ctx, req, task, sink, builder, usage)
+
+
+def _response_format(req: ChatCompletionRequest) -> Grammar | None:
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_schema":
+        assert fmt.json_schema is not None
+        return _schema_grammar(fmt.json_schema.schema_, "response_format.json_schema.schema")
+    if fmt.schema_ is not None:
+        return _schema_grammar(fmt.schema_, "response_format.schema")
+    return Grammar(ANY_JSON_OBJECT)
 
 
 async def oai_chat(request: web.Request) -> web.StreamResponse:
     ctx = ctx_of(request)
     req = await parse(request, ChatCompletionRequest)
+    try:
+        plan = tool_plan(ctx.tool_format, req.tools, req.tool_choice, req.parallel_tool_calls)
+    except ToolError as exc:
+        raise ApiError(400, str(exc)) from exc
+    grammar = _response_format(req)
+    if grammar is not None and plan is not None and plan.mode != "none":
+        raise ApiError(400, "response_format with tools: constrain one or the other, not both")
+    if plan is not None and grammar is None:
+        grammar = plan.grammar
     text = ctx.render_chat(req)
     prompt = ctx.check_prompt_fits(ctx.rt.tokenize(text, add_special=True, parse_special=True))
     sink = QueueSink(asyncio.get_running_loop())
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    task = _task_from(req, prompt, -1 if limit is None else limit, request, sink)
-    route: Route = "oai_chat"
-    builder = ResponseBuilder(route, req.model or ctx.model_name)
+    task = _task_from(
+        req,
+        prompt,
+        -1 if limit is None else limit,
+        request,
+        sink,
+        grammar=_checked(ctx, grammar),
+        logprobs=req.top_logprobs if req.logprobs else None,
+        preserved=ctx.special_tokens(plan.markers) if plan is not None else frozenset(),
+    )
+    parser = ToolCallParser(plan.fmt) if plan is not None and plan.parse else None
+    probs = Logprobs(ctx.token_piece) if req.logprobs else None
+    builder = ResponseBuilder("oai_chat", req.model or ctx.model_name, tools=parser, logprobs=probs)
     usage = bool(req.stream_options and req.stream_options.include_usage)
     return await _run(request, ctx, req, task, sink, builder, usage)
 
