@@ -335,6 +335,21 @@ class SessionTps(BaseModel):
     ctx_headroom_tokens: int
 
 
+class SessionInfo(BaseModel):
+    """``GET /polykv/sessions/{id}``: where a session's KV lives on this replica (a router
+    asks every replica after a restart instead of keeping a shared table)."""
+
+    session_id: str
+    boot_id: str = Field(description="changes when the engine restarts (its KV is then gone)")
+    slot: int
+    state: Literal["idle", "prefill", "decoding"]
+    pool_id: int | None
+    pool_name: str | None
+    ctx_used: int
+    ctx_headroom_tokens: int
+    tps_ewma: float
+
+
 class TpsSnapshot(BaseModel):
     """``GET /polykv/tps``: one JSON object, or one SSE event every interval."""
 

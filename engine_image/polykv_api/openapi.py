@@ -25,6 +25,7 @@ OPERATIONS: list[Op] = [
     ("post", "/tokenize", "Text to tokens", m.TokenizeRequest, None),
     ("post", "/detokenize", "Tokens to text", m.DetokenizeRequest, None),
     ("get", "/polykv/tps", "Per-session and aggregate decode tps", None, m.TpsSnapshot),
+    ("get", "/polykv/sessions/{session}", "Where a session lives", None, m.SessionInfo),
     ("post", "/polykv/pools", "Create a root pool", m.PoolCreateRequest, m.PoolCreated),
     ("get", "/polykv/pools", "The pool tree with KV accounting", None, m.PoolList),
     ("get", "/polykv/pools/{pool}", "One pool and its descendants", None, m.PoolStatus),
@@ -76,6 +77,16 @@ def document() -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for method, path, summary, req, resp in OPERATIONS:
         op: dict[str, Any] = {"summary": summary, "responses": {}}
+        if "{session}" in path:
+            op["parameters"] = [
+                {
+                    "name": "session",
+                    "in": "path",
+                    "required": True,
+                    "description": "the session id (x-session-id)",
+                    "schema": {"type": "string"},
+                }
+            ]
         if "{pool}" in path:
             op["parameters"] = [
                 {

@@ -95,6 +95,12 @@ class AdmissionGate:
             ["pool"],
             registry=registry,
         )
+        self.rehomes = Counter(
+            "polykv_pool_rehomed_sessions",
+            "Sessions moved here by a router from a replica that went away (never gated)",
+            ["pool"],
+            registry=registry,
+        )
         self.prefix_hits = Counter(
             "polykv_pool_prefix_hits",
             "Requests that reused a pool's cached prefix",
@@ -150,8 +156,13 @@ class AdmissionGate:
         known = session_id is not None and any(s.session_id == session_id for s in snap.slots)
         return capacity(pool.admission, st, view, now, expected_tokens, known)
 
-    async def admit(self, task: GenerateTask, overcommit: bool) -> dict[str, str]:
-        """Gate a request that attaches to a pool. Returns headers to add; raises 429."""
+    async def admit(
+        self, task: GenerateTask, overcommit: bool, rehomed: bool = False
+    ) -> dict[str, str]:
+        """Gate a request that attaches to a pool. Returns headers to add; raises 429.
+
+        ``rehomed``: a router moved a running session here after its replica went away; it
+        is a continuation the fleet already admitted, so it is never gated."""
         if task.pool_ref is None:
             return {}
         pool = self.engine.snapshot.pool(task.pool_ref)
@@ -161,6 +172,10 @@ class AdmissionGate:
         snap = self.engine.snapshot
         if task.session_id is not None and any(s.session_id == task.session_id for s in snap.slots):
             return {}  # continuation: never gated
+        if rehomed:
+            log.info("pool %s: re-homed session %s admitted ungated", pool.label, task.session_id)
+            self.rehomes.labels(pool.label).inc()
+            return {}
         if overcommit:
             log.warning("pool %s: overcommit requested, gate bypassed", pool.label)
             self.overcommits.labels(pool.label).inc()

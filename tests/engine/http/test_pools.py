@@ -11,7 +11,7 @@ import pytest
 
 from polykv_engine.testing import EngineProcess
 
-from .conftest import DETERMINISTIC
+from .conftest import DETERMINISTIC, greedy
 from .pool_helpers import (
     ADMIN,
     check_accounting,
@@ -363,3 +363,16 @@ def test_flush_and_slot_erase_refusals(pc: httpx.Client) -> None:
         assert r.json()["error"]["code"] == status
     r = pc.post("/slots/0?action=erase", headers={"Authorization": "Bearer infer-key"})
     assert r.status_code == 403
+
+
+def test_session_lookup_says_where_a_session_lives(client: httpx.Client) -> None:
+    r = client.post("/completion", json=greedy("where am I", 2, session_id="lookup-1"))
+    assert r.status_code == 200
+    info = client.get("/polykv/sessions/lookup-1")
+    assert info.status_code == 200
+    body = info.json()
+    assert body["session_id"] == "lookup-1" and body["slot"] == r.json()["id_slot"]
+    assert body["boot_id"] == client.get("/props").json()["polykv"]["boot_id"]
+    assert body["ctx_used"] > 0 and body["state"] == "idle"
+    missing = client.get("/polykv/sessions/nobody-here")
+    assert missing.status_code == 404 and missing.json()["error"]["reason"] == "session_not_found"

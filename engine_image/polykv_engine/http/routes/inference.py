@@ -43,6 +43,7 @@ from polykv_engine.llama.sampling import SamplingParams, StopParams
 log = logging.getLogger("polykv.http")
 
 IGNORED_HEADER = "X-PolyKV-Ignored-Fields"
+REHOMED_HEADER = "x-polykv-rehomed"  # set by polykv-router on a continuation it moved here
 
 
 class QueueSink:
@@ -155,7 +156,8 @@ async def _run(
             503, "server is shutting down", headers={"Retry-After": "5"}, reason="shutting_down"
         )
     assert ctx.gate is not None
-    extra_headers = await ctx.gate.admit(task, req.overcommit)
+    rehomed = request.headers.get(REHOMED_HEADER, "") in ("1", "true")
+    extra_headers = await ctx.gate.admit(task, req.overcommit, rehomed)
     ctx.engine.submit(task)
     done = False
     try:

@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from polykv_api.models import CpuBackend, PolykvProps, SessionTps, TpsSnapshot
+from polykv_api.models import CpuBackend, PolykvProps, SessionInfo, SessionTps, TpsSnapshot
 from polykv_engine import __version__
 from polykv_engine.core import pool_ops
 from polykv_engine.core.snapshot import EngineSnapshot
@@ -228,6 +228,35 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def session(request: web.Request) -> web.Response:
+    """Where a session lives on this replica: 200, or 404 (reason session_not_found)."""
+    ctx = ctx_of(request)
+    ctx.require_ready()
+    sid = request.match_info["session"]
+    snap = ctx.engine.snapshot
+    slot = next((s for s in snap.slots if s.session_id == sid), None)
+    if slot is None:
+        raise ApiError(
+            404,
+            f"session {sid!r} is not on this replica",
+            "not_found_error",
+            reason="session_not_found",
+        )
+    pool = snap.pool(slot.pool_id) if slot.pool_id is not None else None
+    body = SessionInfo(
+        session_id=sid,
+        boot_id=ctx.boot_id,
+        slot=slot.slot_id,
+        state=slot.state,
+        pool_id=slot.pool_id,
+        pool_name=pool.name if pool else None,
+        ctx_used=slot.ctx_used,
+        ctx_headroom_tokens=slot.n_ctx - slot.ctx_used,
+        tps_ewma=slot.tps_ewma,
+    )
+    return web.json_response(body.model_dump())
+
+
 def add_routes(app: web.Application) -> None:
     for path in ("/health", "/v1/health"):
         app.router.add_get(path, health)
@@ -236,4 +265,5 @@ def add_routes(app: web.Application) -> None:
     for path in ("/v1/models", "/models"):
         app.router.add_get(path, models)
     app.router.add_get("/polykv/tps", polykv_tps)
+    app.router.add_get("/polykv/sessions/{session}", session)
     app.router.add_get("/metrics", metrics)
