@@ -303,6 +303,7 @@ Reason = Literal[
     "queue_full",
     "loading",
     "shutting_down",
+    "no_replica",  # polykv-router: no replica could take the request (none serving or reachable)
     # the engine's own fault
     "decode_failed",
     "internal",

@@ -1,0 +1,82 @@
+"""The router's own questions to one engine replica (never a client's request): its boot
+id, a pool's capacity, whether it holds a session. Answers are parsed with the engine's wire
+contract (``polykv_api.models``)."""
+
+from __future__ import annotations
+
+import json
+from urllib.parse import quote
+
+import aiohttp
+from pydantic import ValidationError
+
+from polykv_api import models as wire
+
+from .errors import engine_reason
+from .picker import PoolCapacity
+from .pods import Pod
+
+
+class EngineError(Exception):
+    """The replica did not answer, or answered something we cannot use."""
+
+
+class Engines:
+    def __init__(self, http: aiohttp.ClientSession, api_key: str | None, timeout_s: float) -> None:
+        self.http = http
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def _get(self, pod: Pod, path: str) -> tuple[int, bytes]:
+        try:
+            async with self.http.get(
+                pod.base_url + path, headers=self.headers, timeout=self.timeout
+            ) as resp:
+                return resp.status, await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise EngineError(f"{pod.name}: GET {path}: {exc!r}") from None
+
+    async def boot_id(self, pod: Pod) -> str:
+        status, raw = await self._get(pod, "/props")
+        if status != 200:
+            raise EngineError(f"{pod.name}: GET /props: HTTP {status}")
+        try:
+            doc = json.loads(raw)
+            props = wire.PolykvProps.model_validate(doc["polykv"])
+        except (ValueError, TypeError, KeyError, ValidationError) as exc:
+            raise EngineError(f"{pod.name}: GET /props: no polykv block: {exc!r}") from None
+        return props.boot_id
+
+    async def capacity(self, pod: Pod, pool: str) -> PoolCapacity | None:
+        """The pool's capacity on this replica; None when the replica lacks the pool."""
+        path = f"/polykv/pools/{quote(pool, safe='')}/capacity"
+        status, raw = await self._get(pod, path)
+        if status == 404 and engine_reason(raw) == "pool_not_found":
+            return None
+        if status != 200:
+            raise EngineError(f"{pod.name}: GET {path}: HTTP {status} {engine_reason(raw)}")
+        try:
+            c = wire.CapacityReport.model_validate_json(raw)
+        except ValidationError as exc:
+            raise EngineError(f"{pod.name}: GET {path}: {exc}") from None
+        return PoolCapacity(
+            can_admit=c.can_admit,
+            reason_code=c.reason_code,
+            projected_tps=c.projected_mean_tps_if_admitted,
+            headroom=c.headroom_sessions,
+            n_sessions=c.n_pool_sessions,
+            settling=c.settling,
+        )
+
+    async def session(self, pod: Pod, session: str) -> wire.SessionInfo | None:
+        """Where the session lives on this replica; None when it is not there."""
+        path = f"/polykv/sessions/{quote(session, safe='')}"
+        status, raw = await self._get(pod, path)
+        if status == 404 and engine_reason(raw) == "session_not_found":
+            return None
+        if status != 200:
+            raise EngineError(f"{pod.name}: GET /polykv/sessions: HTTP {status}")
+        try:
+            return wire.SessionInfo.model_validate_json(raw)
+        except ValidationError as exc:
+            raise EngineError(f"{pod.name}: GET /polykv/sessions: {exc}") from None
