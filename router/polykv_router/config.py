@@ -94,6 +94,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-attempts", type=_positive(int), default=3)
     p.add_argument("--connect-timeout-ms", type=_positive(int), default=2000)
     p.add_argument("--lookup-timeout-ms", type=_positive(int), default=1000)
+    p.add_argument("--max-body-bytes", type=_positive(int), default=32 * 1024 * 1024)
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -122,6 +123,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> Config:
         max_attempts=a.max_attempts,
         connect_timeout_s=a.connect_timeout_ms / 1e3,
         lookup_timeout_s=a.lookup_timeout_ms / 1e3,
+        max_body_bytes=a.max_body_bytes,
         engine_api_key=env.get(API_KEY_ENV) or None,
         serviceaccount_dir=Path(env.get(SA_DIR_ENV) or DEFAULT_SA_DIR),
         log_format=a.log_format,
