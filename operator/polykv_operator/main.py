@@ -254,7 +254,8 @@ def _engine_state(namespace: str, name: str, uid: str) -> EngineState:
 async def apply_engine(
     body: kopf.Body, name: str, namespace: str, uid: str, spec: kopf.Spec, logger: Any, **_: Any
 ) -> None:
-    """Secret (admin key), Deployment and Service, owned by the engine."""
+    """Secret (admin key), Deployment and Service, owned by the engine; with
+    spec.router.enabled, the router's objects too (removed again when it is turned off)."""
     try:
         parsed = PolyKVEngineSpec.model_validate(dict(spec))
     except ValueError as exc:
@@ -266,12 +267,20 @@ async def apply_engine(
         manifests.deployment(name, parsed),
         manifests.service(name, parsed),
     ]
+    routed = parsed.router is not None and parsed.router.enabled
+    if routed:
+        objs += manifests.router_objects(name, namespace, parsed)
     kopf.adopt(objs, owner=body)
     kube = CLIENTS.kube_client()
     for obj in objs:
         # Secrets are merge-patched: the operator may not read them, only write them.
         what = await kube.apply(namespace, obj, strategic=obj["kind"] != "Secret")
         logger.info(f"{obj['kind']} {obj['metadata']['name']} {what}")
+    if not routed:
+        for api_version, kind in manifests.ROUTER_KINDS:
+            router = manifests.router_name(name)
+            if await kube.delete(namespace, api_version, kind, router):
+                logger.info(f"{kind} {router} deleted (spec.router is off)")
 
 
 @kopf.on.delete(GROUP, VERSION, ENGINE.plural, optional=True)

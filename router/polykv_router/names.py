@@ -27,7 +27,3 @@ INFERENCE_PATHS = (
 PASSTHROUGH_GET = ("/health", "/v1/health", "/props", "/slots", "/v1/models", "/models")
 PASSTHROUGH_POST = ("/tokenize", "/detokenize")
 """Routes with no session: any serving replica answers (the least loaded)."""
-
-ROUTER_LABEL = "polykv.io/router"
-"""Label on a router's pods (value: the engine's name). Never the engine label: a router pod
-must not be selected as an engine replica."""

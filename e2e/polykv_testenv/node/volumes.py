@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..kubeapi import Obj
-from .podenv import ConfigError, SourceReader
+from .podenv import ConfigError, SourceReader, field_ref
 
 
 def prepare(pod: Obj, pod_dir: Path, claims_dir: Path, reader: SourceReader) -> dict[str, Path]:
@@ -50,11 +50,32 @@ def prepare(pod: Obj, pod_dir: Path, claims_dir: Path, reader: SourceReader) -> 
                         ref = source[kind]
                         data = reader.data(kind, ref["name"], ref.get("optional", False)) or {}
                         _write_files(own, data, ref.get("items"))
+                if "serviceAccountToken" in source:
+                    sat = source["serviceAccountToken"]
+                    token = reader.token(
+                        pod, int(sat.get("expirationSeconds", 3600)), sat.get("audience")
+                    )
+                    _write_files(own, {"token": token}, [{"key": "token", "path": sat["path"]}])
+                if "downwardAPI" in source:
+                    _write_files(own, _downward(pod, source["downwardAPI"]), None)
             own.mkdir(parents=True, exist_ok=True)
+            out[name] = own
+        elif "downwardAPI" in vol:
+            _write_files(own, _downward(pod, vol["downwardAPI"]), None)
             out[name] = own
         else:
             kinds = sorted(k for k in vol if k != "name")
             raise ConfigError(f"volume {name!r}: unsupported type {kinds}")
+    return out
+
+
+def _downward(pod: Obj, source: Obj) -> dict[str, str]:
+    """File path -> value for downwardAPI items (pod metadata fields only, as a kubelet)."""
+    out: dict[str, str] = {}
+    for item in source.get("items") or []:
+        if "fieldRef" not in item:
+            raise ConfigError(f"downwardAPI {item.get('path')!r}: only fieldRef is supported")
+        out[item["path"]] = field_ref(item["fieldRef"]["fieldPath"], pod)
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 
 import httpx
@@ -182,3 +183,57 @@ def test_failing_liveness_probe_restarts_the_container(
     )
     last = got["status"]["containerStatuses"][0]["lastState"]["terminated"]
     assert "Liveness probe failed" in last["message"]
+
+
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def test_a_projected_service_account_token_authenticates_as_the_pod(
+    k8s_cluster: ControlPlane, process_node: ProcessNode, namespace: str
+) -> None:
+    """A projected volume with a serviceAccountToken, the cluster CA and the namespace, as
+    an in-cluster client (polykv-router) reads them: the token is the pod's own."""
+    api = k8s_cluster.api
+    ns_api = f"/api/v1/namespaces/{namespace}"
+    container = web_container()
+    container["env"] = [{"name": "SA_DIR", "value": SA_DIR}]
+    container["volumeMounts"] = [{"name": "kube-api-access", "mountPath": SA_DIR}]
+    namespace_item = {"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}
+    volume = {
+        "name": "kube-api-access",
+        "projected": {
+            "sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+                {
+                    "configMap": {
+                        "name": "kube-root-ca.crt",
+                        "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                    }
+                },
+                {"downwardAPI": {"items": [namespace_item]}},
+            ]
+        },
+    }
+    pod: Obj = {
+        "metadata": {"name": "in-cluster"},
+        "spec": {"serviceAccountName": "default", "containers": [container], "volumes": [volume]},
+    }
+    api.create(f"{ns_api}/pods", pod)
+    got = eventually("pod Ready", lambda: fetch_if(api, f"{ns_api}/pods/in-cluster", is_ready))
+    ip = got["status"]["podIP"]
+    sa_dir = served(ip, "/env/SA_DIR")["value"]
+    assert sa_dir != SA_DIR  # rewritten to the volume's local directory
+    assert served(ip, f"/file{sa_dir}/namespace")["content"] == namespace
+    ca = Path(sa_dir) / "ca.crt"
+    token = served(ip, f"/file{sa_dir}/token")["content"]
+    review = httpx.post(
+        f"{k8s_cluster.credentials.server}/apis/authentication.k8s.io/v1/selfsubjectreviews",
+        json={"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
+        headers={"Authorization": f"Bearer {token}"},
+        verify=ssl.create_default_context(cafile=str(ca)),
+        timeout=30,
+    )
+    assert review.status_code == 201, review.text
+    user = review.json()["status"]["userInfo"]
+    assert user["username"] == f"system:serviceaccount:{namespace}:default"
+    assert user["extra"]["authentication.kubernetes.io/pod-name"] == ["in-cluster"]
