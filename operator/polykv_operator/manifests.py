@@ -297,11 +297,22 @@ def _token_volume() -> Obj:
 def router_deployment(engine: str, spec: PolyKVEngineSpec) -> Obj:
     router = spec.router or RouterSpec()
     name = router_name(engine)
+    # The router's own reads (capacity, boot id, where a session is) need a key: the API key
+    # when the engine has one; else the engine accepts only its admin key on every route but
+    # /health and /metrics. Clients' requests carry their own key through the router.
+    key = _api_key_env(spec, ROUTER_API_KEY_ENV) or [
+        {
+            "name": ROUTER_API_KEY_ENV,
+            "valueFrom": {
+                "secretKeyRef": {"name": admin_secret_name(engine), "key": ADMIN_SECRET_KEY}
+            },
+        }
+    ]
     env: list[Obj] = [
         # Stated although it is the default: a runtime that rewrites mount paths (the local
         # process node) finds the directory through it.
         {"name": ROUTER_SA_DIR_ENV, "value": SA_DIR},
-        *_api_key_env(spec, ROUTER_API_KEY_ENV),
+        *key,
     ]
     container: Obj = {
         "name": ROUTER_CONTAINER,

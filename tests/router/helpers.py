@@ -14,10 +14,17 @@ from pathlib import Path
 
 import httpx
 
-from polykv_testenv.waiting import free_port, wait_for
+from polykv_testenv.waiting import NotReady, free_port, wait_for
 
 Headers = Mapping[str, str]
 PREFIX = "You are the research crew. Cite sources, be brief. Tools: search, fetch."
+
+
+def pool_prefix(pool: str) -> str:
+    """Each pool its own prefix: a slot another pool's session left behind then shares
+    almost nothing with a new session, which attaches to its pool rather than reusing the
+    slot's own cache."""
+    return f"Pool {pool}. {PREFIX}"
 
 
 @dataclass
@@ -71,7 +78,8 @@ class RouterProcess:
 
 
 def create_pool(client: httpx.Client, name: str, headers: Headers | None = None) -> None:
-    r = client.post("/polykv/pools", json={"name": name, "prompt": PREFIX}, headers=headers)
+    body = {"name": name, "prompt": pool_prefix(name)}
+    r = client.post("/polykv/pools", json=body, headers=headers)
     assert r.status_code in (200, 201), r.text
 
 
@@ -93,18 +101,24 @@ def saturate(
     }
     r = client.post(f"/polykv/pools/{pool}/admission", json=policy, headers=headers)
     assert r.status_code == 200, r.text
-    body = {"pool_id": pool, "prompt": PREFIX + " Survey", "n_predict": 1500, "ignore_eos": True}
+    prompt = pool_prefix(pool) + " Survey"
+    body = {"pool_id": pool, "prompt": prompt, "n_predict": 600, "ignore_eos": True}
     sid = {"x-session-id": f"saturating-{pool}-{time.monotonic_ns()}"}
+
+    last: dict[str, object] = {}
 
     def refusing() -> bool | None:
         # One more turn of the saturating session (a continuation: never gated); the engine
         # settles a mean while it decodes, then judges new sessions from it.
         r = client.post("/completion", json=body, headers={**(headers or {}), **sid})
         assert r.status_code == 200, r.text
-        cap = client.get(f"/polykv/pools/{pool}/capacity", headers=headers).json()
-        return True if not cap["can_admit"] and cap["reason_code"] == "tps_floor" else None
+        last.update(client.get(f"/polykv/pools/{pool}/capacity", headers=headers).json())
+        return True if not last["can_admit"] and last["reason_code"] == "tps_floor" else None
 
-    wait_for(f"pool {pool} refusing on {client.base_url}", refusing, timeout_s=60)
+    try:
+        wait_for(f"pool {pool} refusing on {client.base_url}", refusing, timeout_s=60)
+    except NotReady as exc:
+        raise NotReady(f"{exc}; last capacity: {last}") from None
 
 
 def total(text: str, name: str, **labels: str) -> float:

@@ -21,7 +21,7 @@ import pytest
 from polykv_engine.testing import EngineProcess
 from polykv_testenv.waiting import wait_for
 
-from .helpers import PREFIX, RouterProcess, create_pool, metrics, saturate, total
+from .helpers import PREFIX, RouterProcess, create_pool, metrics, pool_prefix, saturate, total
 
 ENGINE_ARGS = ("-np", "2", "-c", "4096", "-t", "1", "--metrics", "-ctk", "f32", "-ctv", "f32")
 
@@ -75,7 +75,8 @@ def client(base_url: str) -> httpx.Client:
 def turn(
     c: httpx.Client, session: str | None, pool: str | None, text: str, **kw: Any
 ) -> httpx.Response:
-    body: dict[str, Any] = {"prompt": f"{PREFIX} {text}", "n_predict": 4, "temperature": 0, **kw}
+    prefix = pool_prefix(pool) if pool is not None else PREFIX
+    body: dict[str, Any] = {"prompt": f"{prefix} {text}", "n_predict": 4, "temperature": 0, **kw}
     if pool is not None:
         body["pool_id"] = pool
     headers = {"x-session-id": session} if session else {}
@@ -363,7 +364,7 @@ def test_a_client_cannot_mark_its_own_request_rehomed(
     create_pool(ec, "crew")
     saturate(ec, "crew", settle_max_ms=2000)
     router = start_router(urls(engines))
-    body = {"pool_id": "crew", "prompt": PREFIX + " sneak", "n_predict": 1}
+    body = {"pool_id": "crew", "prompt": pool_prefix("crew") + " sneak", "n_predict": 1}
     headers = {"x-session-id": "sneaky", "x-polykv-rehomed": "1"}
     r = client(router.base_url).post("/completion", json=body, headers=headers)
     assert r.status_code == 429  # gated like any new session
