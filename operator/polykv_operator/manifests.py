@@ -33,13 +33,17 @@ TOKEN_SECONDS = 3607  # what the ServiceAccount admission plugin asks for; the k
 Obj = dict[str, Any]
 
 
-def labels(engine: str) -> dict[str, str]:
+def _labels(app: str, engine: str, own: str) -> dict[str, str]:
     return {
-        "app.kubernetes.io/name": "polykv-engine",
+        "app.kubernetes.io/name": app,
         "app.kubernetes.io/instance": engine,
         "app.kubernetes.io/managed-by": "polykv-operator",
-        ENGINE_LABEL: engine,
+        own: engine,
     }
+
+
+def labels(engine: str) -> dict[str, str]:
+    return _labels("polykv-engine", engine, ENGINE_LABEL)
 
 
 def selector(engine: str) -> dict[str, str]:
@@ -212,12 +216,7 @@ def router_name(engine: str) -> str:
 
 
 def router_labels(engine: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "polykv-router",
-        "app.kubernetes.io/instance": engine,
-        "app.kubernetes.io/managed-by": "polykv-operator",
-        ROUTER_LABEL: engine,
-    }
+    return _labels("polykv-router", engine, ROUTER_LABEL)
 
 
 def router_args(engine: str, spec: PolyKVEngineSpec, router: RouterSpec) -> list[str]:

@@ -5,16 +5,19 @@ contract (``polykv_api.models``)."""
 from __future__ import annotations
 
 import json
+from typing import TypeVar
 from urllib.parse import quote
 
 import aiohttp
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from polykv_api import models as wire
 
 from .errors import engine_reason
 from .picker import PoolCapacity
 from .pods import Pod
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class EngineError(Exception):
@@ -47,18 +50,24 @@ class Engines:
             raise EngineError(f"{pod.name}: GET /props: no polykv block: {exc!r}") from None
         return props.boot_id
 
-    async def capacity(self, pod: Pod, pool: str) -> PoolCapacity | None:
-        """The pool's capacity on this replica; None when the replica lacks the pool."""
-        path = f"/polykv/pools/{quote(pool, safe='')}/capacity"
+    async def _read(self, pod: Pod, path: str, model: type[M], missing: str) -> M | None:
+        """The answer at ``path`` as ``model``; None on a 404 whose reason is ``missing``."""
         status, raw = await self._get(pod, path)
-        if status == 404 and engine_reason(raw) == "pool_not_found":
+        if status == 404 and engine_reason(raw) == missing:
             return None
         if status != 200:
             raise EngineError(f"{pod.name}: GET {path}: HTTP {status} {engine_reason(raw)}")
         try:
-            c = wire.CapacityReport.model_validate_json(raw)
+            return model.model_validate_json(raw)
         except ValidationError as exc:
             raise EngineError(f"{pod.name}: GET {path}: {exc}") from None
+
+    async def capacity(self, pod: Pod, pool: str) -> PoolCapacity | None:
+        """The pool's capacity on this replica; None when the replica lacks the pool."""
+        path = f"/polykv/pools/{quote(pool, safe='')}/capacity"
+        c = await self._read(pod, path, wire.CapacityReport, "pool_not_found")
+        if c is None:
+            return None
         return PoolCapacity(
             can_admit=c.can_admit,
             reason_code=c.reason_code,
@@ -71,12 +80,4 @@ class Engines:
     async def session(self, pod: Pod, session: str) -> wire.SessionInfo | None:
         """Where the session lives on this replica; None when it is not there."""
         path = f"/polykv/sessions/{quote(session, safe='')}"
-        status, raw = await self._get(pod, path)
-        if status == 404 and engine_reason(raw) == "session_not_found":
-            return None
-        if status != 200:
-            raise EngineError(f"{pod.name}: GET /polykv/sessions: HTTP {status}")
-        try:
-            return wire.SessionInfo.model_validate_json(raw)
-        except ValidationError as exc:
-            raise EngineError(f"{pod.name}: GET /polykv/sessions: {exc}") from None
+        return await self._read(pod, path, wire.SessionInfo, "session_not_found")

@@ -4,6 +4,7 @@ made to refuse new sessions for real, and Prometheus samples."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -141,3 +142,14 @@ def metrics(base_url: str, headers: Headers | None = None) -> str:
         r = c.get(base_url + "/metrics", headers=headers)
         r.raise_for_status()
         return r.text
+
+
+def assert_same_stream(direct: bytes, routed: bytes, tokens: int) -> None:
+    """Two /completion streams of the same greedy request: every token event byte for byte,
+    and the closing event equal but for its timings and per-run fields."""
+    frames = [[f for f in raw.split(b"\n\n") if f] for raw in (direct, routed)]
+    assert len(frames[0]) == len(frames[1]) == tokens + 1
+    assert frames[0][:-1] == frames[1][:-1]
+    volatile = {"timings", "polykv", "generation_settings", "id_slot"}
+    last = [{k: v for k, v in json.loads(f[-1][6:]).items() if k not in volatile} for f in frames]
+    assert last[0] == last[1]

@@ -8,7 +8,6 @@ the same prompt, whichever way it reaches the engine). Waits are on conditions, 
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,7 +20,16 @@ import pytest
 from polykv_engine.testing import EngineProcess
 from polykv_testenv.waiting import wait_for
 
-from .helpers import PREFIX, RouterProcess, create_pool, metrics, pool_prefix, saturate, total
+from .helpers import (
+    PREFIX,
+    RouterProcess,
+    assert_same_stream,
+    create_pool,
+    metrics,
+    pool_prefix,
+    saturate,
+    total,
+)
 
 ENGINE_ARGS = ("-np", "2", "-c", "4096", "-t", "1", "--metrics", "-ctk", "f32", "-ctv", "f32")
 
@@ -33,7 +41,8 @@ StartRouter = Callable[..., RouterProcess]
 def start_fleet(test_model: Path, tmp_path: Path) -> Iterator[StartFleet]:
     started: list[EngineProcess] = []
 
-    def start(*names: str) -> dict[str, EngineProcess]:
+    def start(*names: str, pool: str | None = None) -> dict[str, EngineProcess]:
+        """Engines by name, each holding ``pool`` when one is named."""
         out = {}
         for name in names:
             eng = EngineProcess(
@@ -42,6 +51,8 @@ def start_fleet(test_model: Path, tmp_path: Path) -> Iterator[StartFleet]:
             eng.start(timeout=120)
             started.append(eng)
             out[name] = eng
+            if pool is not None:
+                create_pool(client(eng.base_url), pool)
         return out
 
     yield start
@@ -148,10 +159,6 @@ def test_sse_is_relayed_byte_for_byte_and_chunk_by_chunk(start_router: StartRout
         server.shutdown()
 
 
-def sse_frames(raw: bytes) -> list[bytes]:
-    return [f for f in raw.split(b"\n\n") if f]
-
-
 def test_a_real_stream_through_the_router_matches_a_direct_one(
     start_fleet: StartFleet, start_router: StartRouter
 ) -> None:
@@ -169,15 +176,7 @@ def test_a_real_stream_through_the_router_matches_a_direct_one(
         with httpx.stream("POST", base + "/completion", json=body, timeout=120) as r:
             assert r.status_code == 200
             raw[where] = r.read()
-    direct, routed = sse_frames(raw["direct"]), sse_frames(raw["router"])
-    assert len(direct) == len(routed) == 25
-    assert direct[:-1] == routed[:-1]  # every token event, byte for byte
-    volatile = ("timings", "polykv", "generation_settings", "id_slot")
-    last = [
-        {k: v for k, v in json.loads(f[6:]).items() if k not in volatile}
-        for f in (direct[-1], routed[-1])
-    ]
-    assert last[0] == last[1]
+    assert_same_stream(raw["direct"], raw["router"], tokens=24)
 
 
 # ------------------------------------------------------------------------ refusals
@@ -188,9 +187,7 @@ def test_an_engine_429_moves_the_session_to_the_next_replica(
 ) -> None:
     """The router's figures are stale (one poll an hour): it thinks a admits, a refuses for
     real, and the session lands on b in the same request."""
-    engines = start_fleet("a", "b")
-    for e in engines.values():
-        create_pool(client(e.base_url), "crew")
+    engines = start_fleet("a", "b", pool="crew")
     router = start_router(urls(engines), "--poll-interval-ms", "3600000")
     rc = client(router.base_url)
     # The pool's figures are fetched on its first request; this one fails at the engine (no
@@ -238,9 +235,7 @@ def test_all_refuse_one_429_with_the_smallest_retry_after(
 def test_a_dead_replica_rehomes_its_session_past_the_gate(
     start_fleet: StartFleet, start_router: StartRouter
 ) -> None:
-    engines = start_fleet("a", "b")
-    for e in engines.values():
-        create_pool(client(e.base_url), "crew")
+    engines = start_fleet("a", "b", pool="crew")
     router = start_router(urls(engines))
     rc = client(router.base_url)
     r = turn(rc, "s1", "crew", "step 1")
@@ -296,9 +291,7 @@ def test_a_restarted_engine_rehomes_its_sessions(
 def test_a_restarted_router_finds_each_session_on_its_replica(
     start_fleet: StartFleet, start_router: StartRouter
 ) -> None:
-    engines = start_fleet("a", "b")
-    for e in engines.values():
-        create_pool(client(e.base_url), "crew")
+    engines = start_fleet("a", "b", pool="crew")
     router = start_router(urls(engines))
     rc = client(router.base_url)
     homes = {s: turn(rc, s, "crew", "step 1").headers["x-polykv-replica"] for s in ("s1", "s2")}
@@ -319,8 +312,7 @@ def test_a_restarted_router_finds_each_session_on_its_replica(
 def test_every_field_and_header_the_router_reads_is_refused_when_malformed(
     start_fleet: StartFleet, start_router: StartRouter
 ) -> None:
-    engines = start_fleet("a")
-    create_pool(client(engines["a"].base_url), "crew")
+    engines = start_fleet("a", pool="crew")
     router = start_router(urls(engines), "--max-body-bytes", "4096")
     rc = client(router.base_url)
 
