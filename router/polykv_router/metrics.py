@@ -29,8 +29,9 @@ class Metrics:
         )
         self.placements = Counter(
             "polykv_router_placements",
-            "New sessions and one-shot requests placed: placed (first choice), retried (after "
-            "a refusal), rejected (every replica refused), unavailable (no replica reachable)",
+            "New sessions and one-shot requests: placed (first choice), retried (after a "
+            "refusal), error (an engine error passed through), rejected (every replica "
+            "refused), unavailable (no replica reachable)",
             ["result"],
             registry=r,
         )

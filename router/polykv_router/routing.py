@@ -32,7 +32,7 @@ from .engines import EngineError, Engines
 from .errors import Refusal, error_body, fleet_refusal
 from .fleet import Fleet, Replica
 from .metrics import Metrics
-from .names import REHOMED_HEADER, SESSION_HEADER
+from .names import REHOMED_HEADER, REPLICA_HEADER, SESSION_HEADER
 from .picker import rank
 from .proxy import Outcome, Proxy, Refused, Relayed
 from .request import RoutingKey, routing_key
@@ -105,12 +105,14 @@ class Router:
             request, body, order, key.session, key.pool, bind=True
         )
         if relayed is not None:
-            self.metrics.placements.labels("placed" if tried == 1 else "retried").inc()
-            if key.session is not None:
+            ok = 200 <= relayed.status < 300
+            result = ("placed" if tried == 1 else "retried") if ok else "error"
+            self.metrics.placements.labels(result).inc()
+            if ok and key.session is not None:
                 log.info(
                     "session placed",
                     extra={"fields": {"session": key.session, "pool": key.pool,
-                                      "replica": relayed.response.headers.get("x-polykv-replica"),
+                                      "replica": relayed.response.headers.get(REPLICA_HEADER),
                                       "attempts": tried}},
                 )  # fmt: skip
             return relayed.response
@@ -188,7 +190,7 @@ class Router:
         log.info(
             "session re-homed",
             extra={"fields": {"session": session, "pool": pool, "from": old, "reason": why,
-                              "to": relayed.response.headers.get("x-polykv-replica")}},
+                              "to": relayed.response.headers.get(REPLICA_HEADER)}},
         )  # fmt: skip
         return relayed.response
 

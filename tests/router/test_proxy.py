@@ -346,6 +346,10 @@ def test_every_field_and_header_the_router_reads_is_refused_when_malformed(
     assert r.status_code == 400 and r.headers["x-polykv-replica"] == "a"
     # No binding from a failed request: a later valid turn is a new session, placed.
     assert rc.post("/completion", json=ok, headers={"x-session-id": "s-404"}).status_code == 200
+    text = metrics(router.base_url)
+    assert total(text, "polykv_router_placements_total", result="error") == 2
+    assert total(text, "polykv_router_placements_total", result="placed") == 2
+    assert total(text, "polykv_router_sessions") == 2
 
 
 def test_a_client_cannot_mark_its_own_request_rehomed(
