@@ -27,7 +27,8 @@ HOP_BY_HOP = frozenset(
         "content-length", "date", "server",
     }
 )  # fmt: skip
-REQUEST_DROP = HOP_BY_HOP | {REHOMED_HEADER}  # only the router may mark a re-home
+# The router has read the body already (no Expect), and only it may mark a re-home.
+REQUEST_DROP = HOP_BY_HOP | {"expect", REHOMED_HEADER}
 REFUSED_503 = frozenset({"shutting_down", "loading", "kv_full"})
 WHOLE_BODY_MAX = 1 << 20  # a response with a known length up to this is read whole
 
