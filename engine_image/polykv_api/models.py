@@ -454,6 +454,7 @@ class PoolSession(BaseModel):
     suffix_n_tokens: int
     marginal_kv_bytes: int = Field(description="bytes of KV cells only this session holds")
     tps_ewma: float
+    ttft_ms: float | None = Field(None, description="the last turn's time to first token")
     state: Literal["idle", "prefill", "decoding"]
 
 

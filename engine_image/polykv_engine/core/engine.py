@@ -385,6 +385,9 @@ class Engine:
             except PoolError as exc:
                 self._fail_pool(task, exc, "conflict_error")
                 return
+        same_session = task.session_id is not None and slot.session_id == task.session_id
+        task.prev_tps = slot.rate.tps if same_session else 0.0
+        task.slot_id = slot.slot_id
         self.slots.bind(slot, task.session_id)
         keep = common_prefix_len(slot.cache_tokens, task.prompt)
         if not task.cache_prompt:
@@ -555,6 +558,7 @@ class Engine:
                 if slot.logits_idx < 0:
                     continue
                 slot.t_first = now
+                slot.ttft_ms = (now - slot.t_start) * 1e3
                 slot.state = "decoding"
                 self._bump(
                     prompt_tokens=len(slot.prompt) - slot.n_cached,

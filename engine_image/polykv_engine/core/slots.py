@@ -54,6 +54,7 @@ class Slot:
     assembler: TextAssembler = field(default_factory=TextAssembler)
     t_start: float = 0.0
     t_first: float = 0.0
+    ttft_ms: float | None = None  # the last turn's time to first token
     seed: int = 0
     logits_idx: int = -1  # index in the current batch whose logits this slot samples
     batch_tokens: int = 0  # tokens this slot put in the current batch
@@ -84,6 +85,7 @@ class Slot:
             warming=self.rate.warming,
             last_used=self.last_used,
             shared_prefix=self.shared_prefix if self.pool_id is not None else 0,
+            ttft_ms=self.ttft_ms,
         )
 
 

@@ -31,6 +31,7 @@ class SlotSnapshot:
     warming: bool
     last_used: float
     shared_prefix: int = 0  # leading cells that are the pool's (not this session's own)
+    ttft_ms: float | None = None  # the last turn's time to first token
 
     @property
     def processing(self) -> bool:

@@ -6,6 +6,7 @@ labels stay low-cardinality: never a session id or prompt text.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -103,6 +104,45 @@ class PoolCollector(Collector):
             for row in rows:
                 fam.add_metric([row.label], float(getattr(row, attr)))
             yield fam
+
+
+class PoolCounters:
+    """Per-pool counters. A released pool's series are removed: agents create and release
+    ephemeral pools all day, and their label sets must not pile up in every scrape."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"polykv_pool_{name}", doc, ["pool"], registry=registry)
+
+        self.admits = counter("admits", "New sessions admitted to a pool")
+        self.holds = counter("holds", "Attaches held while a pool settled or queued")
+        self.overcommits = counter("overcommits", "Attaches that bypassed the gate")
+        self.rehomes = counter(
+            "rehomed_sessions",
+            "Sessions moved here by a router from a replica that went away (never gated)",
+        )
+        self.queries = counter("queries", "Requests attached to the pool")
+        self.prefix_hits = counter("prefix_hits", "Requests that reused a pool's cached prefix")
+        self.rejects = Counter(
+            "polykv_pool_rejects",
+            "New sessions refused by an enforced policy, by reason code",
+            ["pool", "reason"],
+            registry=registry,
+        )
+        self._reasons: dict[str, set[str]] = {}
+
+    def reject(self, pool: str, reason: str) -> None:
+        self._reasons.setdefault(pool, set()).add(reason)
+        self.rejects.labels(pool, reason).inc()
+
+    def forget(self, pool: str) -> None:
+        for c in (self.admits, self.holds, self.overcommits, self.rehomes, self.queries,
+                  self.prefix_hits):  # fmt: skip
+            with contextlib.suppress(KeyError):
+                c.remove(pool)
+        for reason in self._reasons.pop(pool, ()):
+            with contextlib.suppress(KeyError):
+                self.rejects.remove(pool, reason)
 
 
 def build_registry(

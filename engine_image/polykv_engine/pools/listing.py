@@ -51,6 +51,7 @@ def render(
             suffix_n_tokens=s.ctx_used - shared,
             marginal_kv_bytes=owned.get(("slot", s.slot_id), 0) * bpt,
             tps_ewma=s.tps_ewma,
+            ttft_ms=s.ttft_ms,
             state=s.state,
         )
 

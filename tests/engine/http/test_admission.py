@@ -310,3 +310,17 @@ def test_pool_session_past_the_context_stops_cleanly_and_the_pool_survives(
         c.delete("/polykv/pools/wall")
         r = complete(c, [256, 5, 6, 7], 700, ignore_eos=True)
         assert r.json()["truncated"] is False and r.json()["tokens_predicted"] == 700
+
+
+def test_a_released_pools_series_disappear_from_metrics(ac: httpx.Client) -> None:
+    prompt = saturated_pool(ac, "ephemeral", mode="advisory")
+    complete(ac, prompt + [7], 2, pool_id="ephemeral", session_id="eph-1")
+    assert _metric(ac, "polykv_pool_queries_total", pool="ephemeral") >= 1
+    assert _metric(ac, "polykv_pool_sessions", pool="ephemeral") == 1
+    assert ac.delete("/polykv/pools/ephemeral", headers=ADMIN).status_code == 200
+
+    def gone() -> bool:
+        text = ac.get("/metrics").text
+        return 'pool="ephemeral"' not in text
+
+    wait_for(gone)

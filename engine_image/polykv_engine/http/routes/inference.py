@@ -126,9 +126,25 @@ def _pool_ref(req: SamplingFields) -> PoolRef | None:
     return ref
 
 
-def _headers(req: SamplingFields, task: GenerateTask) -> dict[str, str]:
-    """Known once the task holds a slot: its first event has arrived."""
+def _headers(
+    ctx: AppContext,
+    req: SamplingFields,
+    task: GenerateTask,
+    result: GenerationResult | None = None,
+) -> dict[str, str]:
+    """Known once the task holds a slot: its first event has arrived. The PolyKV signals
+    travel as headers because OpenAI clients (ChatOpenAI among them) drop body fields they
+    do not know: at the start of a stream they describe the session before this turn."""
     headers: dict[str, str] = {}
+    snap = ctx.engine.snapshot
+    if 0 <= task.slot_id < len(snap.slots):
+        slot = snap.slots[task.slot_id]
+        tps = result.tps_ewma if result is not None else task.prev_tps
+        headers["x-session-tps"] = f"{tps:.2f}"
+        headers["x-polykv-ctx-headroom"] = str(max(0, slot.n_ctx - slot.ctx_used))
+        assert ctx.gate is not None
+        pressure = ctx.gate.compaction_pressure(snap.pool(task.pool.pool_id) if task.pool else None)
+        headers["x-polykv-compaction-pressure"] = f"{pressure:.3f}"
     ignored = req.ignored_fields()
     if ignored:
         headers[IGNORED_HEADER] = ",".join(ignored)
@@ -162,9 +178,11 @@ async def _run(
     done = False
     try:
         if req.stream:
-            resp = await _stream(request, req, task, sink, builder, include_usage, extra_headers)
+            resp = await _stream(
+                request, ctx, req, task, sink, builder, include_usage, extra_headers
+            )
         else:
-            resp = await _whole(req, task, sink, builder, extra_headers)
+            resp = await _whole(ctx, req, task, sink, builder, extra_headers)
         done = True
         return resp
     finally:
@@ -175,6 +193,7 @@ async def _run(
 
 
 async def _whole(
+    ctx: AppContext,
     req: SamplingFields,
     task: GenerateTask,
     sink: QueueSink,
@@ -189,7 +208,7 @@ async def _whole(
         elif isinstance(ev, DoneEvent):
             return web.json_response(
                 builder.final(ev.result, events),
-                headers={**_headers(req, task), **extra_headers},
+                headers={**_headers(ctx, req, task, ev.result), **extra_headers},
             )
         else:
             raise ApiError(ev.status, ev.message, ev.type, reason=ev.reason)
@@ -202,6 +221,7 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 
 async def _stream(
     request: web.Request,
+    ctx: AppContext,
     req: SamplingFields,
     task: GenerateTask,
     sink: QueueSink,
@@ -218,7 +238,7 @@ async def _stream(
         headers={
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
-            **_headers(req, task),
+            **_headers(ctx, req, task),
             **extra_headers,
         }
     )

@@ -221,8 +221,8 @@ async def metrics(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     if not ctx.settings.metrics:
         raise ApiError(501, "metrics are disabled; start the engine with --metrics")
-    if ctx.engine.ready and ctx.engine.snapshot.pools:
-        ctx.pool_gauges = await _pool_gauges(ctx)
+    if ctx.engine.ready:  # refreshed even when empty: released pools' gauges disappear
+        ctx.pool_gauges = await _pool_gauges(ctx) if ctx.engine.snapshot.pools else []
     registry: Any = request.app[METRICS_REGISTRY]
     body = generate_latest(registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
