@@ -408,6 +408,23 @@ class Engine:
                 slot.sampler.accept_prompt(tok)
         slot.seed = sampling.seed
         slot.task = task
+        slot.last_task_id = task.task_id
+        slot.params = {
+            "n_predict": task.stop.n_predict,
+            "seed": sampling.seed,
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k,
+            "top_p": sampling.top_p,
+            "min_p": sampling.min_p,
+            "repeat_last_n": sampling.repeat_last_n,
+            "repeat_penalty": sampling.repeat_penalty,
+            "presence_penalty": sampling.presence_penalty,
+            "frequency_penalty": sampling.frequency_penalty,
+            "stop": list(task.stop.stops),
+            "ignore_eos": task.stop.ignore_eos,
+            "n_probs": task.logprobs or 0,
+            "grammar": sampling.grammar.gbnf if sampling.grammar else "",
+        }
         slot.state = "prefill"
         slot.prompt = task.prompt
         slot.n_prompt_done = keep
@@ -474,7 +491,10 @@ class Engine:
             except LlamaError as exc:
                 self._abort_batch(str(exc))
                 return
-            self._bump(decode_calls=1, decode_seconds=time.perf_counter() - td)
+            busy = sum(1 for s in self.slots.slots if s.batch_tokens)
+            self._bump(
+                decode_calls=1, decode_seconds=time.perf_counter() - td, busy_slot_steps=busy
+            )
             if rc == 0:
                 break
             if not self._make_room():
@@ -665,6 +685,9 @@ class Engine:
             predicted_tokens=len(slot.generated),
             predicted_seconds=now - t_first,
         )
+        longest = len(slot.prompt) + len(slot.generated)
+        if longest > self._counters.tokens_max:
+            self._counters = replace(self._counters, tokens_max=longest)
         task.sink.emit(DoneEvent(result))
         self.slots.release(slot)
 

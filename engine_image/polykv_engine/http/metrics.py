@@ -68,6 +68,47 @@ class EngineCollector(Collector):
         yield gauge("sessions_warming", "Sessions decoding with no rate yet", active.n_warming)
         yield gauge("kv_cells_used", "KV cells holding tokens", snap.kv_cells_used)
         yield gauge("kv_cells_total", "KV cells in the cache", snap.kv_cells_total)
+        yield from llama_server_series(snap)
+
+
+def llama_server_series(snap: EngineSnapshot) -> Iterator[Metric]:
+    """The ``llamacpp:*`` series llama-server exports, same names and meaning, so existing
+    llama-server dashboards and alerts keep working against a PolyKV engine."""
+    c = snap.counters
+
+    def rate(n: float, seconds: float) -> float:
+        return n / seconds if seconds > 0 else 0.0
+
+    for name, doc, value in (
+        ("prompt_tokens", "Number of prompt tokens processed, excluding cached", c.prompt_tokens),
+        ("prompt_tokens_cached", "Number of prompt tokens reused from the cache", c.cache_tokens),
+        ("prompt_seconds", "Total time spent processing prompts", c.prompt_seconds),
+        ("tokens_predicted", "Number of generation tokens processed", c.predicted_tokens),
+        ("tokens_predicted_seconds", "Total time spent generating tokens", c.predicted_seconds),
+        ("n_decode", "Total number of llama_decode() calls", c.decode_calls),
+    ):
+        yield CounterMetricFamily(f"llamacpp:{name}", doc, value=value)
+    for name, doc, value in (
+        ("n_tokens_max", "Largest observed sequence length (prompt + generation)", c.tokens_max),
+        (
+            "prompt_tokens_seconds",
+            "Average prompt throughput in tokens/s",
+            rate(c.prompt_tokens, c.prompt_seconds),
+        ),
+        (
+            "predicted_tokens_seconds",
+            "Average generation throughput in tokens/s",
+            rate(c.predicted_tokens, c.predicted_seconds),
+        ),
+        ("requests_processing", "Number of requests processing", snap.n_processing),
+        ("requests_deferred", "Number of requests deferred", snap.n_waiting),
+        (
+            "n_busy_slots_per_decode",
+            "Average number of busy slots per llama_decode() call",
+            c.busy_slot_steps / max(c.decode_calls, 1),
+        ),
+    ):
+        yield GaugeMetricFamily(f"llamacpp:{name}", doc, value=value)
 
 
 @dataclass(frozen=True, slots=True)

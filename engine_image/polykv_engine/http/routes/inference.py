@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from polykv_api.models import (
+    ApplyTemplateRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -314,12 +315,8 @@ def _response_format(req: ChatCompletionRequest) -> Grammar | None:
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
-    if fmt.type == "json_schema":
-        assert fmt.json_schema is not None
-        return _schema_grammar(fmt.json_schema.schema_, "response_format.json_schema.schema")
-    if fmt.schema_ is not None:
-        return _schema_grammar(fmt.schema_, "response_format.schema")
-    return Grammar(ANY_JSON_OBJECT)
+    schema, field = fmt.schema_field()
+    return Grammar(ANY_JSON_OBJECT) if schema is None else _schema_grammar(schema, field)
 
 
 async def oai_chat(request: web.Request) -> web.StreamResponse:
@@ -355,6 +352,14 @@ async def oai_chat(request: web.Request) -> web.StreamResponse:
     return await _run(request, ctx, req, task, sink, builder, usage)
 
 
+async def apply_template(request: web.Request) -> web.Response:
+    """llama-server's ``/apply-template``: the prompt a chat request would be given."""
+    ctx = ctx_of(request)
+    req = await parse(request, ApplyTemplateRequest)
+    text = ctx.render_messages(req.messages, req.tools, True, req.chat_template_kwargs)
+    return web.json_response({"prompt": text})
+
+
 async def tokenize(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     req = await parse(request, TokenizeRequest)
@@ -387,5 +392,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", oai_completion)
     for path in ("/v1/chat/completions", "/chat/completions"):
         app.router.add_post(path, oai_chat)
+    app.router.add_post("/apply-template", apply_template)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
