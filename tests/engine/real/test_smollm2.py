@@ -184,6 +184,16 @@ def test_tool_loop_with_a_template_that_knows_no_tools(api: httpx.Client) -> Non
     (call,) = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     assert "paris" in json.loads(call["function"]["arguments"])["city"].lower()
+    streamed = {"messages": question, "temperature": 0, "max_tokens": 60, "stream": True,
+                "tools": [WEATHER_TOOL], "tool_choice": "required"}  # fmt: skip
+    name, args = "", ""
+    with api.stream("POST", "/v1/chat/completions", json=streamed) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for d in json.loads(line[6:])["choices"][0]["delta"].get("tool_calls") or []:
+                    name += d["function"].get("name") or ""
+                    args += d["function"].get("arguments") or ""
+    assert (name, args) == ("get_weather", call["function"]["arguments"])
     history = [
         *question,
         {"role": "assistant", "content": None, "tool_calls": [call]},
