@@ -69,6 +69,7 @@ class EngineConfig:
     pool_grace_s: float = 10.0  # an idle pool is kept this long before KV pressure may evict it
     kv_debug: bool = False  # reserve a probe sequence to read llama.cpp's used-cell count
     warmup: bool = True  # run the model once before reporting ready (--no-warmup: skip)
+    max_queue: int = 64  # requests waiting for a slot beyond which new ones get 503
 
 
 class Engine:
@@ -92,6 +93,8 @@ class Engine:
         self._pools: PoolManager | None = None
         self._slots: SlotTable | None = None
         self.pools_disabled_reason: str | None = None
+        self._reclaim_key: tuple[int, tuple[int, ...]] | None = None
+        self._reclaim_cells = 0
 
     # ------------------------------------------------------------------ any thread
 
@@ -260,7 +263,7 @@ class Engine:
     def _handle(self, item: tuple[str, Any]) -> None:
         kind, payload = item
         if kind == "submit":
-            self._waiting.append(payload)
+            self._accept(payload)
         elif kind == "cancel":
             self._cancel(payload)
         elif kind == "call":
@@ -272,6 +275,22 @@ class Engine:
                     fut.set_exception(exc)
         elif kind == "stop":
             self._stop_requested = True
+
+    def _accept(self, task: GenerateTask) -> None:
+        """Queue a request, unless the queue is full or its session already runs a turn."""
+        if len(self._waiting) >= self.cfg.max_queue:
+            msg = f"the engine queue is full ({self.cfg.max_queue} requests wait for a slot)"
+            self._fail(task, 503, "unavailable_error", "queue_full", msg, retry_after=2)
+            return
+        sid = task.session_id
+        if sid is not None and (
+            any(s.session_id == sid and s.state != "idle" for s in self.slots.slots)
+            or any(w.session_id == sid for w in self._waiting)
+        ):
+            msg = f"session {sid!r} already has a request running; send turns one at a time"
+            self._fail(task, 409, "conflict_error", "session_busy", msg, retry_after=1)
+            return
+        self._waiting.append(task)
 
     def _cancel(self, task_id: int) -> None:
         for task in list(self._waiting):
@@ -692,10 +711,16 @@ class Engine:
         self.slots.release(slot)
 
     def _fail(
-        self, task: GenerateTask, status: int, type_: str, reason: Reason, message: str
+        self,
+        task: GenerateTask,
+        status: int,
+        type_: str,
+        reason: Reason,
+        message: str,
+        retry_after: int | None = None,
     ) -> None:
         self._bump(requests_failed=1)
-        task.sink.emit(ErrorEvent(status, type_, message, reason))
+        task.sink.emit(ErrorEvent(status, type_, message, reason, retry_after))
 
     def _fail_pool(self, task: GenerateTask, exc: PoolError, default_type: str) -> None:
         self._fail(task, exc.status, exc.type or default_type, exc.reason, exc.message)
@@ -739,10 +764,24 @@ class Engine:
             aggregate_tps=self._decode_rate.rate(now),
             prefill_tps=self._prefill_rate.rate(now),
             kv_cells_used=self._kv.used if self._kv is not None else 0,
+            kv_cells_reclaimable=self._reclaimable(),
             kv_cells_total=rt.n_ctx if rt else 0,
             pools=pools,
             counters=self._counters,
         )
+
+    def _reclaimable(self) -> int:
+        """Cells only idle prompt caches hold: a new session gets them by dropping caches,
+        so they count as headroom. Recomputed only when cell ownership or the idle set
+        changed (not on every decoded token)."""
+        if self._kv is None or self._slots is None:
+            return 0
+        idle = tuple(s.slot_id for s in self._slots.slots if s.state == "idle" and s.cache_tokens)
+        key = (self._kv.version, idle)
+        if key != self._reclaim_key:
+            self._reclaim_key = key
+            self._reclaim_cells = self._kv.model.freed_by_clearing(idle)
+        return self._reclaim_cells
 
     def _shutdown(self) -> None:
         msg = "server is shutting down"

@@ -88,6 +88,7 @@ class EngineSnapshot:
     prefill_tps: float = 0.0
     kv_cells_used: int = 0
     kv_cells_total: int = 0
+    kv_cells_reclaimable: int = 0  # held only by idle prompt caches: free on demand
     pools: tuple[PoolSnapshot, ...] = ()
     counters: Counters = field(default_factory=Counters)
 

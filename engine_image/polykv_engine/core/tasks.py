@@ -70,6 +70,7 @@ class ErrorEvent:
     type: str
     message: str
     reason: Reason = "internal"
+    retry_after: int | None = None  # seconds, when trying again later can succeed
 
 
 Event = TokenEvent | DoneEvent | ErrorEvent

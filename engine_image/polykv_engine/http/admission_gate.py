@@ -64,7 +64,8 @@ def engine_view(snap: EngineSnapshot, pool: PoolSnapshot | None) -> EngineView:
     )
     return EngineView(
         sessions=sessions,
-        free_cells=max(0, snap.kv_cells_total - snap.kv_cells_used),
+        # Idle prompt caches are dropped when a session needs their cells: not used here.
+        free_cells=max(0, snap.kv_cells_total - snap.kv_cells_used + snap.kv_cells_reclaimable),
         total_cells=snap.kv_cells_total,
         n_ctx_slot=snap.n_ctx_slot,
         idle_slots=sum(1 for s in snap.slots if not s.processing),

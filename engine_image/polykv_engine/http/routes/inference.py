@@ -172,6 +172,13 @@ async def _run(
         raise ApiError(
             503, "server is shutting down", headers={"Retry-After": "5"}, reason="shutting_down"
         )
+    if ctx.engine.snapshot.n_waiting >= ctx.engine.cfg.max_queue:
+        raise ApiError(
+            503,
+            f"the engine queue is full ({ctx.engine.cfg.max_queue} requests wait for a slot)",
+            headers={"Retry-After": "2"},
+            reason="queue_full",
+        )
     assert ctx.gate is not None
     rehomed = request.headers.get(REHOMED_HEADER, "") in ("1", "true")
     extra_headers = await ctx.gate.admit(task, req.overcommit, rehomed)
@@ -212,7 +219,12 @@ async def _whole(
                 headers={**_headers(ctx, req, task, ev.result), **extra_headers},
             )
         else:
-            raise ApiError(ev.status, ev.message, ev.type, reason=ev.reason)
+            raise _api_error(ev)
+
+
+def _api_error(ev: ErrorEvent) -> ApiError:
+    headers = {"Retry-After": str(ev.retry_after)} if ev.retry_after is not None else None
+    return ApiError(ev.status, ev.message, ev.type, headers=headers, reason=ev.reason)
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -232,9 +244,14 @@ async def _stream(
 ) -> web.StreamResponse:
     # Wait for the first event before sending headers, so an error before any token
     # (e.g. a full KV cache) is still a proper HTTP status instead of an SSE error event.
-    first = await sink.queue.get()
+    # A request still queued after a ping interval gets its headers and keep-alives instead.
+    settings = ctx.settings
+    try:
+        first: Event | None = await asyncio.wait_for(sink.queue.get(), settings.sse_ping_interval_s)
+    except TimeoutError:
+        first = None
     if isinstance(first, ErrorEvent):
-        raise ApiError(first.status, first.message, first.type, reason=first.reason)
+        raise _api_error(first)
     resp = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
@@ -244,27 +261,35 @@ async def _stream(
         }
     )
     await resp.prepare(request)
-    ev: Event = first
+
+    async def send(data: bytes) -> None:
+        # A peer that stopped reading (half-open, gone) blocks the write: give up on it.
+        await asyncio.wait_for(resp.write(data), settings.write_timeout_s)
+
+    ev: Event | None = first
     result: GenerationResult | None = None
     while True:
-        if isinstance(ev, TokenEvent):
+        if ev is None:
+            await send(b": keep-alive\n\n")
+        elif isinstance(ev, TokenEvent):
             for chunk in builder.chunks(ev):
-                await resp.write(_sse(chunk))
+                await send(_sse(chunk))
         elif isinstance(ev, DoneEvent):
             result = ev.result
             for final in builder.stream_final(result):
-                await resp.write(_sse(final))
+                await send(_sse(final))
             break
         else:
-            await resp.write(
-                _sse(ApiError(ev.status, ev.message, ev.type, reason=ev.reason).body())
-            )
+            await send(_sse(_api_error(ev).body()))
             break
-        ev = await sink.queue.get()
+        try:
+            ev = await asyncio.wait_for(sink.queue.get(), settings.sse_ping_interval_s)
+        except TimeoutError:
+            ev = None
     if builder.route != "completion":
         if include_usage and result is not None:
-            await resp.write(_sse(builder.usage_chunk(result)))
-        await resp.write(_sse("[DONE]"))
+            await send(_sse(builder.usage_chunk(result)))
+        await send(_sse("[DONE]"))
     await resp.write_eof()
     return resp
 
