@@ -605,6 +605,9 @@ class PoolSession(BaseModel):
     marginal_kv_bytes: int = Field(description="bytes of KV cells only this session holds")
     tps_ewma: float
     ttft_ms: float | None = Field(None, description="the last turn's time to first token")
+    implicit_shared_tokens: int = Field(
+        0, description="positions whose cells another session holds too (automatic sharing)"
+    )
     state: Literal["idle", "prefill", "decoding"]
 
 
@@ -672,6 +675,11 @@ class PoolList(BaseModel):
     kv_bytes_used: int
     unpooled_sessions: list[PoolSession] = Field(
         default_factory=list, description="sessions holding KV outside any pool"
+    )
+    implicit_shared_cells: int = Field(
+        0,
+        description="cells two or more sessions share without a pool (automatic prefix "
+        "sharing); each is counted once, owned by the first session holding it",
     )
     kv_cells_measured: int | None = Field(
         None, description="llama.cpp's own used-cell count (engine started with --polykv-kv-debug)"

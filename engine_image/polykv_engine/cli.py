@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="cadence of the /polykv/tps SSE stream",
     )
     p.add_argument(
+        "--no-polykv-auto-share",
+        dest="auto_share",
+        action="store_false",
+        help="do not share a prompt's prefix with other sessions' cells (pools still do)",
+    )
+    p.add_argument(
         "--polykv-max-queue",
         type=int,
         default=None,
@@ -292,6 +298,7 @@ def config_from_args(
         pool_grace_s=args.polykv_pool_grace_ms / 1e3,
         kv_debug=args.polykv_kv_debug,
         warmup=not args.no_warmup,
+        auto_share=args.auto_share,
         max_queue=(
             args.polykv_max_queue if args.polykv_max_queue is not None else 8 * args.parallel
         ),

@@ -55,6 +55,10 @@ from polykv_engine.tokens import common_prefix_len
 
 log = logging.getLogger("polykv.engine")
 
+# A prompt waits for another slot's prefill only when it would then share at least this
+# many more tokens: below it, computing them in parallel costs less than waiting.
+SHARE_WAIT_MIN_TOKENS = 64
+
 T = TypeVar("T")
 
 
@@ -70,6 +74,7 @@ class EngineConfig:
     kv_debug: bool = False  # reserve a probe sequence to read llama.cpp's used-cell count
     warmup: bool = True  # run the model once before reporting ready (--no-warmup: skip)
     max_queue: int = 64  # requests waiting for a slot beyond which new ones get 503
+    auto_share: bool = True  # share a prompt's prefix with any resident sequence (no pool)
 
 
 class Engine:
@@ -326,6 +331,9 @@ class Engine:
             except PoolError as exc:
                 self._fail_pool(task, exc, "invalid_request_error")
                 continue
+            if self._waits_for_a_shared_prefix(task):
+                still.append(task)
+                continue
             session_slot = table.slot_of(task.session_id)
             chosen = choose_slot(views, task.prompt, session_slot, task.id_slot, task.cache_prompt)
             if chosen is None:
@@ -415,6 +423,8 @@ class Engine:
         keep = self._swa_reusable(slot, keep)
         self.kv.truncate(slot.slot_id, keep)
         del slot.cache_tokens[keep:]
+        if task.cache_prompt and self._auto_share:
+            keep = self._share_prefix(slot, task.prompt, keep)
         self._update_pool_link(slot, task.pool)
         if task.pool is not None and task.pool.seq_id is not None:
             task.shared_prefix = self.kv.model.common_cells(slot.slot_id, task.pool.seq_id)
@@ -464,6 +474,64 @@ class Engine:
             keep,
             task.pool.label if task.pool else None,
         )
+
+    @property
+    def _auto_share(self) -> bool:
+        """Sharing cells between sequences is only sound where pools are (a plain KV cache:
+        no sliding window recycling cells, no recurrent state)."""
+        info = self.rt.info
+        return self.cfg.auto_share and not (info.n_swa > 0 or info.is_recurrent or info.is_hybrid)
+
+    def _resident_prefix(self, slot: Slot | None, prompt: list[int]) -> tuple[int, int]:
+        """(sequence id, P): the resident sequence other than ``slot`` whose cells hold the
+        longest prefix of ``prompt`` (another session's prompt cache, a running session's
+        context, the part of a prompt already prefilled, or a resident pool)."""
+        best_seq, best = -1, 0
+        for other in self.slots.slots:
+            if other is not slot and len(other.cache_tokens) > best:
+                p = common_prefix_len(other.cache_tokens, prompt)
+                if p > best:
+                    best_seq, best = other.slot_id, p
+        for pool in self.pools.tree.pools.values():
+            if pool.residency == "resident" and pool.seq_id is not None:
+                p = common_prefix_len(pool.tokens, prompt)
+                if p > best:
+                    best_seq, best = pool.seq_id, p
+        return best_seq, best
+
+    def _share_prefix(self, slot: Slot, prompt: list[int], keep: int) -> int:
+        """Automatic prefix sharing: extend the slot's reused prefix with cells another
+        sequence already computed for the same tokens (``seq_cp``: nothing is copied, no
+        token is prefilled twice). Returns the new number of reused prompt tokens."""
+        src, p = self._resident_prefix(slot, prompt)
+        p = min(p, len(prompt) - 1)  # the last prompt token is recomputed for its logits
+        if p <= keep:
+            return keep
+        self.kv.share(src, slot.slot_id, keep, p)
+        slot.cache_tokens.extend(prompt[keep:p])
+        self._bump(auto_shared_tokens=p - keep)
+        return p
+
+    def _waits_for_a_shared_prefix(self, task: GenerateTask) -> bool:
+        """A prompt whose long prefix another slot is prefilling right now waits for it,
+        then shares those cells instead of computing them a second time in parallel (the
+        agents released together on one system prompt)."""
+        if not task.cache_prompt or not self._auto_share:
+            return False
+        prefilling = [s for s in self.slots.slots if s.state == "prefill"]
+        if not prefilling:
+            return False
+        coming = max(common_prefix_len(s.prompt, task.prompt) for s in prefilling)
+        if coming < SHARE_WAIT_MIN_TOKENS:
+            return False
+        own = self.slots.slot_of(task.session_id)
+        have = (
+            common_prefix_len(self.slots[own].cache_tokens, task.prompt) if own is not None else 0
+        )
+        if task.pool is not None:
+            have = max(have, common_prefix_len(task.pool.tokens, task.prompt))
+        _, resident = self._resident_prefix(None, task.prompt)
+        return coming - max(have, resident) >= SHARE_WAIT_MIN_TOKENS
 
     def _swa_reusable(self, slot: Slot, keep: int) -> int:
         """On a sliding-window model, cached tokens can be reused only while the window
@@ -534,12 +602,17 @@ class Engine:
 
     def _shed_view(self) -> ShedView:
         slots = self.slots.slots
-        idle = sorted(
-            (s for s in slots if s.state == "idle" and s.cache_tokens), key=lambda s: s.last_used
-        )
+        model = self.kv.model
+        # Idle prompt caches that free cells when dropped; ones nobody shares go first (a
+        # shared one keeps helping another sequence), then the least recently used.
+        idle = [
+            (model.sharers(s.slot_id) > 0, s.last_used, s.slot_id)
+            for s in slots
+            if s.state == "idle" and s.cache_tokens and model.freed_by_clearing([s.slot_id])
+        ]
         snaps = self.slots.snapshots()
         return ShedView(
-            idle_caches=[s.slot_id for s in idle],
+            idle_caches=[slot_id for _, _, slot_id in sorted(idle)],
             reclaimable_pools=[p.pool_id for p in self.pools.reclaimable(snaps, time.time())],
             builds_in_batch=[b.pool.pool_id for b in self.pools.builds_in_batch()],
             active=[

@@ -75,6 +75,7 @@ class Counters:
     kv_full_events: int = 0
     context_shifts: int = 0
     busy_slot_steps: int = 0  # Σ over decode calls of the slots in the batch
+    auto_shared_tokens: int = 0  # prompt tokens shared from another sequence (no pool)
     tokens_max: int = 0  # longest sequence seen (prompt + generation)
 
 

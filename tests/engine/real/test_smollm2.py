@@ -151,7 +151,8 @@ def test_quantized_kv_cache_with_pools(start: Callable[..., EngineProcess]) -> N
         )
         assert fork.status_code == 201, fork.text
         resp = chat(api, ask(), pool_id="q8", session_id="q8-s")
-        assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] == r.json()["prefix_len"]
+        # the pool, and beyond it what the fork q8-q already computed (automatic sharing)
+        assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] >= r.json()["prefix_len"]
         assert "Paris" in text_of(resp)
         listing = api.get("/polykv/pools").json()
         assert listing["kv_bytes_per_token"] < 2 * 30 * 192 * 2  # q8_0 K and V, not f16
