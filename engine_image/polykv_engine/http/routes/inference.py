@@ -172,14 +172,15 @@ async def _run(
         raise ApiError(
             503, "server is shutting down", headers={"Retry-After": "5"}, reason="shutting_down"
         )
+    assert ctx.gate is not None
     if ctx.engine.snapshot.n_waiting >= ctx.engine.cfg.max_queue:
+        ctx.gate.record_refusal(task, None)
         raise ApiError(
             503,
             f"the engine queue is full ({ctx.engine.cfg.max_queue} requests wait for a slot)",
             headers={"Retry-After": "2"},
             reason="queue_full",
         )
-    assert ctx.gate is not None
     rehomed = request.headers.get(REHOMED_HEADER, "") in ("1", "true")
     extra_headers = await ctx.gate.admit(task, req.overcommit, rehomed)
     ctx.engine.submit(task)
@@ -193,6 +194,10 @@ async def _run(
             resp = await _whole(ctx, req, task, sink, builder, extra_headers)
         done = True
         return resp
+    except ApiError as exc:
+        if exc.reason == "queue_full":  # turned away: demand the autoscaler must see
+            ctx.gate.record_refusal(task, None)
+        raise
     finally:
         ctx.gate.finished(task)
         if not done:

@@ -229,6 +229,10 @@ async def _pool_gauges(ctx: AppContext) -> list[PoolGauges]:
                 gen_throughput_tps=sum(decoding),
                 mean_active_tps=p.mean_active_tps,
                 compaction_pressure=pressure,
+                active_sessions=p.n_active,
+                active_tps_sum=p.active_tps_sum,
+                floor_tps=p.admission.target_tps_per_session if p.admission else 0.0,
+                refused_sessions=ctx.gate.refused_recently(p.name or str(p.pool_id)),
             )
         )
     return rows
