@@ -16,6 +16,7 @@ from polykv_engine.core.snapshot import EngineSnapshot
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.errors import ApiError
 from polykv_engine.http.metrics import PoolGauges
+from polykv_engine.ids import decimal
 
 METRICS_REGISTRY = web.AppKey("metrics_registry", object)
 
@@ -196,9 +197,10 @@ async def polykv_tps(request: web.Request) -> web.StreamResponse:
     interval_ms = ctx.settings.tps_stream_interval_ms
     raw = request.query.get("interval_ms")
     if raw is not None:
-        if not raw.isdigit() or not 50 <= int(raw) <= 60_000:
+        value = decimal(raw)
+        if value is None or not 50 <= value <= 60_000:
             raise ApiError(400, "interval_ms: an integer between 50 and 60000")
-        interval_ms = int(raw)
+        interval_ms = value
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
