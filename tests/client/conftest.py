@@ -21,8 +21,18 @@ MAX_POOLS = 4
 def engine(test_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     eng = EngineProcess(
         test_model,
-        ("-np", "2", "-c", "2048", "--polykv-max-pools", str(MAX_POOLS),
-         "--api-key", API_KEY, "--polykv-admin-key", ADMIN_KEY),  # fmt: skip
+        (
+            "-np",
+            "2",
+            "-c",
+            "2048",
+            "--polykv-max-pools",
+            str(MAX_POOLS),
+            "--api-key",
+            API_KEY,
+            "--polykv-admin-key",
+            ADMIN_KEY,
+        ),
         log_path=tmp_path_factory.mktemp("client-engine") / "engine.log",
     )
     eng.start()

@@ -124,9 +124,11 @@ def test_keys(engine: EngineProcess, admin: PolyKVClient) -> None:
 
 
 def test_no_engine_is_unavailable() -> None:
-    with PolyKVClient(f"http://127.0.0.1:{free_port()}", timeout=5) as c:
-        with pytest.raises(EngineUnavailable) as info:
-            c.list_pools()
+    with (
+        PolyKVClient(f"http://127.0.0.1:{free_port()}", timeout=5) as c,
+        pytest.raises(EngineUnavailable) as info,
+    ):
+        c.list_pools()
     assert info.value.status is None and "ConnectError" in info.value.message
 
 
@@ -147,8 +149,9 @@ def busy_pool(admin: PolyKVClient, engine: EngineProcess) -> Iterator[list[int]]
     admin.create_pool(prompt=TEXT, name="gated")
     admin.set_admission(
         "gated",
-        wire.AdmissionPolicy(target_tps_per_session=1e9, mode="enforced", settle_tokens=8,
-                             settle_max_ms=1000),  # fmt: skip
+        wire.AdmissionPolicy(
+            target_tps_per_session=1e9, mode="enforced", settle_tokens=8, settle_max_ms=1000
+        ),
     )
     prompt = admin.tokenize(TEXT, add_special=True)
     stop = threading.Event()

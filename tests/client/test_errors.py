@@ -28,8 +28,9 @@ def test_every_reason_code_has_an_exception_class() -> None:
 def test_each_code_maps_to_its_class_whatever_the_status_and_message(reason: str) -> None:
     cls = ERRORS[reason]  # type: ignore[index]
     status = 503 if issubclass(cls, EngineUnavailable) else 409
-    body = {"error": {"code": status, "message": "pool already exists", "type": "x",
-                      "reason": reason}}  # fmt: skip
+    body = {
+        "error": {"code": status, "message": "pool already exists", "type": "x", "reason": reason}
+    }
     exc = error_from_response(status, httpx.Headers({"Retry-After": "3"}), body)
     assert type(exc) is cls
     assert exc.reason == reason and exc.status == status and exc.retry_after == 3.0
@@ -37,8 +38,15 @@ def test_each_code_maps_to_its_class_whatever_the_status_and_message(reason: str
 
 
 def test_the_gate_refusal_names_its_pool_and_when_to_retry() -> None:
-    body = {"error": {"code": 429, "message": "m", "type": "rate_limit_error",
-                      "reason": "context_headroom", "pool": "crew"}}  # fmt: skip
+    body = {
+        "error": {
+            "code": 429,
+            "message": "m",
+            "type": "rate_limit_error",
+            "reason": "context_headroom",
+            "pool": "crew",
+        }
+    }
     exc = error_from_response(429, httpx.Headers({"retry-after": "2"}), body)
     assert isinstance(exc, PoolSaturated) and isinstance(exc, RequestRejected)
     assert exc.retry_after == 2.0 and exc.pool == "crew" and exc.reason == "context_headroom"
@@ -71,9 +79,15 @@ def test_an_unknown_code_or_a_body_that_is_not_json() -> None:
 
 def test_signals_from_headers() -> None:
     headers = httpx.Headers(
-        {"x-session-id": "t1", "x-pool-id": "3", "x-cached-prefix-tokens": "40",
-         "x-session-tps": "12.50", "X-PolyKV-Ctx-Headroom": "900",
-         "x-polykv-compaction-pressure": "0.250", "X-Sessions-Remaining": "0"}  # fmt: skip
+        {
+            "x-session-id": "t1",
+            "x-pool-id": "3",
+            "x-cached-prefix-tokens": "40",
+            "x-session-tps": "12.50",
+            "X-PolyKV-Ctx-Headroom": "900",
+            "x-polykv-compaction-pressure": "0.250",
+            "X-Sessions-Remaining": "0",
+        }
     )
     s = Signals.from_headers(headers)
     assert (s.session_id, s.pool_id, s.cached_prefix_tokens) == ("t1", 3, 40)
