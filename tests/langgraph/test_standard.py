@@ -25,7 +25,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests as Suite
 from polykv_engine.testing import EngineProcess
 from polykv_langgraph import PolyKVChatModel
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]  # about 3 min on 2 cores
 
 ENGINE: dict[str, str] = {}
 # A long, fixed context: the second identical call reads most of it from the session's KV.
