@@ -80,6 +80,7 @@ FILLER = (
 ) * 6
 
 
+@pytest.mark.slow  # about 90 s on 2 cores: a dozen long turns fill the context
 def test_compaction_reforks_and_leaves_nothing_behind(small_ctx: EngineProcess) -> None:
     c = PolyKVClient(small_ctx.base_url)
     clean(c)
