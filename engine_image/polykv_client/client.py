@@ -17,7 +17,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 import httpx
 
 from . import ops
-from .errors import EngineUnavailable, PolyKVError, error_from_response
+from .errors import EngineUnavailable, error_from_response
 from .ops import Call, Op
 
 P = ParamSpec("P")
@@ -92,15 +92,18 @@ class _Base:
         text = f"{type(exc).__name__}: {exc}".rstrip(": ")
         return EngineUnavailable(None, f"{call.method} {call.path}: {text}")
 
-    @staticmethod
-    def _check(resp: httpx.Response) -> PolyKVError | None:
-        if resp.status_code < 400:
-            return None
+    def _advance(self, op: Op[T], call: Call, outcome: httpx.Response | httpx.HTTPError) -> Call:
+        """Hand the operation its call's outcome (an error answer or a transport failure
+        thrown in as a typed error); its next call, or StopIteration with its result."""
+        if isinstance(outcome, httpx.HTTPError):
+            return op.throw(self._failed(call, outcome))
+        if outcome.status_code < 400:
+            return op.send(outcome)
         try:
-            body: Any = resp.json()
+            body: Any = outcome.json()
         except ValueError:
-            body = resp.text
-        return error_from_response(resp.status_code, resp.headers, body)
+            body = outcome.text
+        return op.throw(error_from_response(outcome.status_code, outcome.headers, body))
 
 
 class PolyKVClient(_Base):
@@ -138,12 +141,12 @@ class PolyKVClient(_Base):
             call = next(op)
             while True:
                 try:
-                    resp = self.http.request(**self._request(call))
+                    outcome: httpx.Response | httpx.HTTPError = self.http.request(
+                        **self._request(call)
+                    )
                 except httpx.HTTPError as exc:
-                    call = op.throw(self._failed(call, exc))
-                    continue
-                error = self._check(resp)
-                call = op.throw(error) if error is not None else op.send(resp)
+                    outcome = exc
+                call = self._advance(op, call, outcome)
         except StopIteration as done:
             result: T = done.value
             return result
@@ -200,12 +203,12 @@ class AsyncPolyKVClient(_Base):
             call = next(op)
             while True:
                 try:
-                    resp = await self.http.request(**self._request(call))
+                    outcome: httpx.Response | httpx.HTTPError = await self.http.request(
+                        **self._request(call)
+                    )
                 except httpx.HTTPError as exc:
-                    call = op.throw(self._failed(call, exc))
-                    continue
-                error = self._check(resp)
-                call = op.throw(error) if error is not None else op.send(resp)
+                    outcome = exc
+                call = self._advance(op, call, outcome)
         except StopIteration as done:
             result: T = done.value
             return result

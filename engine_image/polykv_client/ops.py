@@ -55,15 +55,23 @@ def parse(resp: httpx.Response, model: type[M]) -> M:
         ) from exc
 
 
-def _prefix(
+def _body(
     cls: type[wire.PoolCreateRequest] | type[wire.PoolForkRequest],
-    fields: dict[str, Any],
+    request: wire.PoolPrefix | None,
+    args: Mapping[str, Any],
 ) -> dict[str, Any]:
-    given = {k: v for k, v in fields.items() if v is not None and v is not False}
-    if "messages" in given:
-        given["messages"] = _messages(given["messages"])
-    req = cls.model_validate(given)
-    return req.model_dump(mode="json", exclude_none=True, by_alias=True)
+    """A create or fork body: the given ``request``, else one built from the operation's
+    keyword arguments (``args``: its ``locals()``)."""
+    if request is None:
+        fields = {k: v for k, v in args.items() if k in cls.model_fields}
+        given = {k: v for k, v in fields.items() if v is not None and v is not False}
+        if "messages" in given:
+            given["messages"] = _messages(given["messages"])
+        for key in ("tokens", "tools"):
+            if key in given:
+                given[key] = [t if isinstance(t, int) else dict(t) for t in given[key]]
+        request = cls.model_validate(given)
+    return request.model_dump(mode="json", exclude_none=True, by_alias=True)
 
 
 def _messages(messages: Sequence[Message]) -> list[wire.ChatMessage]:
@@ -73,10 +81,6 @@ def _messages(messages: Sequence[Message]) -> list[wire.ChatMessage]:
 
 
 _MESSAGES = TypeAdapter(list[wire.ChatMessage])
-
-
-def _request_body(request: BaseModel) -> dict[str, Any]:
-    return request.model_dump(mode="json", exclude_none=True, by_alias=True)
 
 
 # ----------------------------------------------------------------------- pools
@@ -99,23 +103,7 @@ def create_pool(
     shares) or ``from_session`` (a live session's context), or from a built ``request``.
     Idempotent by ``name``: the same prefix again returns the existing pool
     (``created=False``); a different one raises ``NameConflict``."""
-    body = (
-        _request_body(request)
-        if request is not None
-        else _prefix(
-            wire.PoolCreateRequest,
-            dict(
-                prompt=prompt,
-                tokens=list(tokens) if tokens is not None else None,
-                messages=messages,
-                tools=[dict(t) for t in tools] if tools is not None else None,
-                from_session=from_session,
-                name=name,
-                pin=pin,
-                dry_run=dry_run,
-            ),
-        )
-    )
+    body = _body(wire.PoolCreateRequest, request, locals())
     resp = yield Call("POST", "/polykv/pools", body, admin=True, slow=True)
     return parse(resp, wire.PoolCreated)
 
@@ -138,24 +126,7 @@ def fork_pool(
     It shares the parent's cells up to ``branch_pos`` (default: the longest common prefix;
     the parent's whole length extends it) and prefills only the rest. A prefix that does
     not extend the parent there raises ``PrefixMismatch``."""
-    body = (
-        _request_body(request)
-        if request is not None
-        else _prefix(
-            wire.PoolForkRequest,
-            dict(
-                prompt=prompt,
-                tokens=list(tokens) if tokens is not None else None,
-                messages=messages,
-                tools=[dict(t) for t in tools] if tools is not None else None,
-                from_session=from_session,
-                name=name,
-                pin=pin,
-                dry_run=dry_run,
-                branch_pos=branch_pos,
-            ),
-        )
-    )
+    body = _body(wire.PoolForkRequest, request, locals())
     resp = yield Call("POST", f"/polykv/pools/{parent}/fork", body, admin=True, slow=True)
     return parse(resp, wire.PoolCreated)
 
