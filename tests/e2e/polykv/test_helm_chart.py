@@ -12,12 +12,14 @@ and leaves no PolyKV object, Deployment or pod behind.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -29,6 +31,8 @@ pytestmark = [pytest.mark.k8s]
 
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "helm" / "polykv"
+ALERTS = CHART / "files" / "alerts.yaml"
+DASHBOARD = CHART / "files" / "dashboards" / "polykv.json"
 GROUP = "/apis/polykv.io/v1alpha1/namespaces/{ns}/{plural}"
 
 SYSTEM = {"role": "system", "content": "You are the research crew. Cite sources, be brief."}
@@ -113,6 +117,21 @@ def running_operator(cluster: ControlPlane, ns: str, release: str, not_uid: str 
     return eventually("operator pod running", probe, timeout_s=120)
 
 
+def exported_names(scrape: str) -> set[str]:
+    """Metric names in a Prometheus text scrape: HELP/TYPE lines (families with no sample
+    yet) and sample lines."""
+    names = set(re.findall(r"^# (?:HELP|TYPE) (\w+)", scrape, re.M))
+    return names | set(re.findall(r"^(\w+)(?:\{|\s)", scrape, re.M))
+
+
+def monitoring_metric_names() -> set[str]:
+    """Every polykv_ metric the chart's alert rules and dashboard query."""
+    exprs = [r["expr"] for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
+    dash = json.loads(DASHBOARD.read_text())
+    exprs += [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    return set(re.findall(r"\b(polykv_\w+)", " ".join(exprs)))
+
+
 def pod_log(node: ProcessNode, namespace: str, pod: str) -> str:
     """The container's log as the process node wrote it (no kubelet serves `kubectl logs`;
     the pod object itself is gone once it succeeded)."""
@@ -165,6 +184,17 @@ def test_install_test_upgrade_uninstall(
     planner = api.get(polykv(api, namespace, "polykvpools", "planner"))
     assert planner["status"]["path"] == "crew/planner"
     assert planner["status"]["admissionPolicy"] == "floor"
+
+    # Every metric the alerts and the dashboard name is in a real scrape of the two.
+    engine = api.get(polykv(api, namespace, "polykvengines", "pkv"))
+    scraped = exported_names(
+        httpx.get(f"http://{first['status']['podIP']}:9090/metrics", timeout=10).text
+        + httpx.get(
+            f"http://{engine['status']['replicaStatus'][0]['podIP']}:8080/metrics", timeout=10
+        ).text
+    )
+    named = monitoring_metric_names()
+    assert named - scraped == set(), f"not exported: {sorted(named - scraped)}"
 
     # The chart-generated master key: what an upgrade must keep.
     secret_path = f"/api/v1/namespaces/{namespace}/secrets/{release}-polykv-master-key"
