@@ -148,18 +148,19 @@ write_context() {
   rm "$ctx/deps.txt"
 }
 
-# What changes an image: its base, Containerfile, lock, the llama wheel, our sources.
+# What changes an image: its base, Containerfile, lock, the llama wheel, our packages.
+# (README.md only becomes the wheel's long description: an edit there rebuilds nothing.)
+SOURCES=(engine_image/polykv_api engine_image/polykv_engine engine_image/polykv_modelgen
+  operator/polykv_operator e2e/polykv_testenv pyproject.toml)
 image_key() {
   local name=$1
   {
     echo "$BASE_TAG $VERSION"
-    cat "${CONTAINERFILE[$name]}" "${LOCK[$name]}" pyproject.toml README.md
+    cat "${CONTAINERFILE[$name]}" "${LOCK[$name]}"
     declare -f write_context build_image
     [[ $name == engine ]] && basename "$(llama_wheel)"
-    git ls-files -s engine_image/polykv_api engine_image/polykv_engine engine_image/polykv_modelgen \
-      operator/polykv_operator e2e/polykv_testenv
-    # Uncommitted edits count too.
-    git diff HEAD -- engine_image operator e2e/polykv_testenv pyproject.toml README.md
+    git ls-files -s "${SOURCES[@]}"
+    git diff HEAD -- "${SOURCES[@]}"  # uncommitted edits count too
   } | sha
 }
 
@@ -173,6 +174,7 @@ build_image() {
     return
   fi
   ctx="$CACHE/context-$name.$$"
+  trap 'rm -rf "$ctx"' EXIT
   log "$name: writing the build context (wheels)"
   write_context "$name" "$ctx"
   log "$name: buildah bud ${TAG[$name]}"
@@ -191,6 +193,8 @@ build_image() {
   buildah push --quiet "${TAG[$name]}" "oci-archive:$out.tmp:${TAG[$name]}" >&2
   mv "$out.tmp" "$out"
   rm -rf "$ctx"
+  trap - EXIT
+  buildah rmi --prune >/dev/null 2>&1 || true  # the previous build's now untagged image
   # Older archives of this image are superseded.
   find "$CACHE" -maxdepth 1 -name "polykv-$name-*.oci.tar" ! -name "$(basename "$out")" -delete
   log "$name: built in $((SECONDS - t0))s, $(du -h "$out" | cut -f1): $out"
