@@ -12,7 +12,10 @@ and leaves no PolyKV object, Deployment or pod behind.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -117,6 +120,20 @@ def running_operator(cluster: ControlPlane, ns: str, release: str, not_uid: str 
     return eventually("operator pod running", probe, timeout_s=120)
 
 
+def kubectl_plugin(cluster: ControlPlane, *args: str) -> str:
+    env = cluster.tool_env()
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    out = subprocess.run(
+        [str(Path(cluster.bin_dir or "") / "kubectl"), "polykv", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    )
+    return out.stdout
+
+
 def exported_names(scrape: str) -> set[str]:
     """Metric names in a Prometheus text scrape: HELP/TYPE lines (families with no sample
     yet) and sample lines."""
@@ -184,6 +201,12 @@ def test_install_test_upgrade_uninstall(
     planner = api.get(polykv(api, namespace, "polykvpools", "planner"))
     assert planner["status"]["path"] == "crew/planner"
     assert planner["status"]["admissionPolicy"] == "floor"
+
+    # The kubectl plugin (kubectl finds kubectl-polykv on PATH) draws the tree.
+    tree = kubectl_plugin(k8s_cluster, "tree", "-n", namespace)
+    name, length, branch = tree.splitlines()[1].split()[:3]
+    assert (name, length.isdigit(), branch) == ("crew", True, "0"), tree
+    assert tree.splitlines()[2].startswith("└── planner") and tree.rstrip().endswith("True")
 
     # Every metric the alerts and the dashboard name is in a real scrape of the two.
     engine = api.get(polykv(api, namespace, "polykvengines", "pkv"))
