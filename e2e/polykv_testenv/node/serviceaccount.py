@@ -21,11 +21,16 @@ TOKEN_SECONDS = 24 * 3600
 
 
 def automount(api: Kube, pod: Obj) -> bool:
-    """The pod's own setting wins, then its ServiceAccount's, then true (as in Kubernetes)."""
+    """The pod's own setting wins, then its ServiceAccount's, then true (as in Kubernetes).
+    A pod naming no ServiceAccount gets none: this control plane runs without the admission
+    plugin that would fill in "default", and a token can only be bound to a pod for the
+    account the pod names."""
     spec = pod["spec"]
+    sa = spec.get("serviceAccountName")
+    if not sa:
+        return False
     if spec.get("automountServiceAccountToken") is not None:
         return bool(spec["automountServiceAccountToken"])
-    sa = spec.get("serviceAccountName") or "default"
     ns = pod["metadata"]["namespace"]
     try:
         account = api.get(f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}")
@@ -40,7 +45,7 @@ def write_kubeconfig(api: Kube, pod: Obj, dest: Path) -> Path:
     """Requests a token bound to `pod` and writes token, ca.crt, namespace and a kubeconfig
     using them under `dest`; returns the kubeconfig's path."""
     meta = pod["metadata"]
-    ns, sa = meta["namespace"], pod["spec"].get("serviceAccountName") or "default"
+    ns, sa = meta["namespace"], pod["spec"]["serviceAccountName"]
     answer = api.create(
         f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token",
         {
