@@ -292,3 +292,33 @@ def test_install_test_upgrade_uninstall(
             }
         )
     )
+
+
+def test_rendered_chart_passes_server_side_dry_run(
+    k8s_cluster: ControlPlane, namespace: str, tmp_path: Path
+) -> None:
+    """Every object the chart renders (hooks and the test pod included), with engines, pools
+    and policies from values, is accepted by the API server: schemas, CRD validation (CEL
+    rules included) and the restricted Pod Security admission of the namespace."""
+    k8s_cluster.kubectl(
+        "label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted"
+    )
+    # The chart's crds/ (what helm install applies first), for real: the objects need them.
+    k8s_cluster.kubectl("apply", "-f", str(CHART / "crds"))
+    k8s_cluster.kubectl(
+        "wait", "--for=condition=Established", "crd", "-l", "app.kubernetes.io/part-of=polykv"
+    )
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(release_values(namespace)))
+    rendered = k8s_cluster.helm(
+        "template", "dry", str(CHART), "-n", namespace, "-f", str(values)
+    ).stdout
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    assert len(docs) > 20
+    out = k8s_cluster.kubectl(
+        "apply", "--dry-run=server", "-n", namespace, "-f", "-", input=rendered, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Warning" not in out.stderr, out.stderr  # a PSA warning would show here
+    created = out.stdout.count("(server dry run)")
+    assert created == len(docs), out.stdout
