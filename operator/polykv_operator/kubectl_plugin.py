@@ -49,8 +49,9 @@ def readiness(obj: Obj) -> str:
     ready = conditions.get("Ready")
     if ready is None:
         return "-"
-    status = str(ready.get("status"))
-    return status if status == "True" else f"{status}: {ready.get('reason', '')}"
+    if ready.get("status") == "True":
+        return "True"
+    return f"{ready.get('status')}: {ready.get('reason', '')}"
 
 
 def _cell(value: Any) -> str:
