@@ -299,19 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m polykv_operator.chartgen", description=__doc__)
     p.add_argument("--check", action="store_true", help="exit 1 when a file differs")
     args = p.parse_args(argv)
-    stale = []
-    for path, text in files().items():
-        if path.is_file() and path.read_text() == text:
-            continue
-        stale.append(str(path))
-        if not args.check:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            print(f"wrote {path}")
-    if args.check and stale:
-        print(f"stale (run python -m polykv_operator.chartgen): {', '.join(stale)}")
-        return 1
-    return 0
+    return crdgen.sync(files(), args.check, "python -m polykv_operator.chartgen")
 
 
 if __name__ == "__main__":

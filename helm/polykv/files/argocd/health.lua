@@ -24,6 +24,12 @@ local function describe(c)
   return text
 end
 
+-- The health `status` when condition `c` is present and True, with its reason and message.
+local function when_true(c, status)
+  if c == nil or c.status ~= "True" then return nil end
+  return {status = status, message = describe(c)}
+end
+
 local meta = obj.metadata or {}
 if meta.deletionTimestamp ~= nil then
   hs.message = "Being deleted"
@@ -43,12 +49,8 @@ if meta.generation ~= nil and st.observedGeneration < meta.generation then
   return hs
 end
 
-local stalled = find(st.conditions, "Stalled")
-if stalled ~= nil and stalled.status == "True" then
-  hs.status = "Degraded"
-  hs.message = describe(stalled)
-  return hs
-end
+local stalled = when_true(find(st.conditions, "Stalled"), "Degraded")
+if stalled ~= nil then return stalled end
 
 if obj.kind == "PolyKVEngine" and obj.spec ~= nil and obj.spec.replicas == 0 then
   hs.status = "Suspended"
@@ -57,17 +59,10 @@ if obj.kind == "PolyKVEngine" and obj.spec ~= nil and obj.spec.replicas == 0 the
 end
 
 local ready = find(st.conditions, "Ready")
-if ready ~= nil and ready.status == "True" then
-  hs.status = "Healthy"
-  hs.message = describe(ready)
-  return hs
-end
-
-local reconciling = find(st.conditions, "Reconciling")
-if reconciling ~= nil and reconciling.status == "True" then
-  hs.message = describe(reconciling)
-  return hs
-end
+local healthy = when_true(ready, "Healthy")
+if healthy ~= nil then return healthy end
+local reconciling = when_true(find(st.conditions, "Reconciling"), "Progressing")
+if reconciling ~= nil then return reconciling end
 if ready == nil then
   hs.message = "No Ready condition yet"
   return hs
