@@ -181,7 +181,7 @@ build_image() {
   local revision
   revision="$(git rev-parse HEAD)$(git diff --quiet HEAD -- . || echo -dirty)"
   # chroot isolation: no OCI runtime or cgroups needed (CI machines may lack both).
-  buildah bud --quiet --isolation=chroot --layers=false --format oci --pull=never \
+  buildah bud --isolation=chroot --layers=false --format oci --pull=never \
     --build-arg "BASE=$BASE_TAG" --build-arg "VERSION=$VERSION" \
     --build-arg "REVISION=$revision" \
     --annotation "org.opencontainers.image.revision=$revision" \
