@@ -18,10 +18,12 @@ from polykv_api.models import (
     CapacitySummary,
     PoolCreated,
     PoolCreateRequest,
+    PoolDetail,
     PoolForkRequest,
     PoolList,
     PoolPrefix,
     PoolRef,
+    PoolReleased,
 )
 from polykv_engine.core import pool_ops
 from polykv_engine.core.engine import Engine
@@ -163,7 +165,7 @@ async def release_pool(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     ref = _ref(request)
     pool_id = await on_engine(ctx, lambda e: pool_ops.release(e, ref))
-    return web.json_response({"released": pool_id, "boot_id": ctx.boot_id})
+    return web.json_response(PoolReleased(released=pool_id, boot_id=ctx.boot_id).model_dump())
 
 
 async def list_pools(request: web.Request) -> web.Response:
@@ -176,10 +178,10 @@ async def get_pool(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     ref = _ref(request)
     listing = await pool_listing(ctx, ref)
-    body = listing.pools[0].model_dump()
-    body["descendants"] = [p.model_dump() for p in listing.pools[1:]]
-    body["boot_id"] = ctx.boot_id
-    return web.json_response(body)
+    body = PoolDetail(
+        **listing.pools[0].model_dump(), descendants=listing.pools[1:], boot_id=ctx.boot_id
+    )
+    return web.json_response(body.model_dump())
 
 
 async def _apply_admission(request: web.Request, policy: AdmissionPolicy | None) -> web.Response:
