@@ -18,7 +18,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-CACHE="${POLYKV_CACHE:-$HOME/.cache/polykv}/images"
+# POLYKV_IMAGE_CACHE moves only this cache (POLYKV_CACHE moves the llama wheel's too).
+CACHE="${POLYKV_IMAGE_CACHE:-${POLYKV_CACHE:-$HOME/.cache/polykv}/images}"
 PY="${PYTHON:-python3.11}"
 VERSION="$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)"
 SUITE=bookworm
