@@ -688,6 +688,14 @@ class PoolList(BaseModel):
     kv_cells_measured: int | None = Field(
         None, description="llama.cpp's own used-cell count (engine started with --polykv-kv-debug)"
     )
+    sessions_active: int = Field(0, description="sessions processing a turn (autoscaling)")
+    sessions_refused: int = Field(
+        0, description="distinct sessions refused in the last 60 s (gate 429 or a full queue)"
+    )
+    sessions_headroom: int = Field(0, description="more sessions free slots and KV would take")
+    floor_pressure: float = Field(
+        0.0, description="max over floored pools of floor / mean_active_tps on this replica"
+    )
     n_active: int = Field(0, description="sessions decoding with a measured rate, engine-wide")
     n_warming: int = Field(0, description="sessions decoding, rate not measured yet")
     active_tps_sum: float = Field(0.0, description="Σ tps_ewma of the n_active sessions")

@@ -55,6 +55,11 @@ async def pool_listing(ctx: AppContext, ref: PoolRef | None = None) -> PoolList:
     listing = await on_engine(ctx, lambda e: pool_ops.listing(e, ctx.boot_id, ref))
     snap = ctx.engine.snapshot
     assert ctx.gate is not None
+    pressure, active, refused, headroom = ctx.gate.autoscale()
+    listing.floor_pressure = pressure
+    listing.sessions_active = active
+    listing.sessions_refused = refused
+    listing.sessions_headroom = headroom
     for status in listing.pools:
         pool = snap.pool(status.pool_id)
         if pool is None:
