@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TokenId = Annotated[int, Field(ge=0)]
+SESSION_ID_PATTERN = r"^[!-~]{1,256}$"
+"""A session id travels in headers (x-session-id, echoed back): visible ASCII only."""
 
 
 class _Request(BaseModel):
@@ -56,7 +58,9 @@ class SamplingFields(_Request):
         None,
         min_length=1,
         max_length=256,
-        description="Continuation key; the x-session-id header is an alternative",
+        pattern=SESSION_ID_PATTERN,
+        description="Continuation key (visible ASCII, no spaces); the x-session-id header is "
+        "an alternative",
     )
     id_slot: int = Field(-1, ge=-1)
     overcommit: bool = False
@@ -154,22 +158,22 @@ class OAICompletionRequest(SamplingFields):
         return value
 
 
+class TextPart(BaseModel):
+    """A content part; only text parts are supported (no images or audio)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _text_parts_only(self) -> ChatMessage:
-        if isinstance(self.content, list):
-            for part in self.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts are supported")
-        return self
 
     def text(self) -> str:
         """The message content as one string (text parts joined)."""
@@ -177,7 +181,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(str(part["text"]) for part in self.content)
+        return "".join(part.text for part in self.content)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -203,9 +207,15 @@ class ResponseFormat(BaseModel):
 
     @model_validator(mode="after")
     def _schema_when_needed(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
+        if self.type == "json_schema" and self.json_schema is None and self.schema_ is None:
             raise ValueError('type "json_schema" needs a json_schema object with a schema')
         return self
+
+    def schema_field(self) -> tuple[dict[str, Any] | None, str]:
+        """The schema to enforce (None: any JSON object) and the field it came from."""
+        if self.json_schema is not None:
+            return self.json_schema.schema_, "response_format.json_schema.schema"
+        return self.schema_, "response_format.schema"
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -226,6 +236,14 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=20)
+
+
+class ApplyTemplateRequest(_Control):
+    """``POST /apply-template`` (llama-server): the chat template applied, no inference."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Control):
@@ -254,6 +272,142 @@ class Timings(BaseModel):
     predicted_per_token_ms: float
     predicted_per_second: float
     cache_n: int = Field(description="prompt tokens reused from the KV cache, not recomputed")
+
+
+class PolykvResponseInfo(BaseModel):
+    """The ``polykv`` block of a completion response (headers carry the same for clients
+    that drop unknown body fields)."""
+
+    session_id: str | None
+    slot: int
+    tps_ewma: float
+    pool_id: int | None
+    shared_prefix_tokens: int
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens served from KV (pool or session)")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the model's JSON text of the arguments")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "tool_calls"]
+
+
+class ChatCompletion(BaseModel):
+    """``POST /v1/chat/completions`` (not streamed)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
+    timings: Timings
+    polykv: PolykvResponseInfo
+
+
+class LegacyLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TextChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: LegacyLogprobs | None
+    finish_reason: Literal["stop", "length"]
+
+
+class TextCompletion(BaseModel):
+    """``POST /v1/completions`` (not streamed)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[TextChoice]
+    usage: Usage
+    timings: Timings
+    polykv: PolykvResponseInfo
+
+
+class NativeTopProb(BaseModel):
+    id: int
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+class NativeProb(NativeTopProb):
+    top_logprobs: list[NativeTopProb]
+
+
+class NativeCompletion(BaseModel):
+    """``POST /completion`` (not streamed), llama-server's shape."""
+
+    index: int
+    content: str
+    tokens: list[int]
+    id_slot: int
+    stop: bool
+    model: str
+    tokens_predicted: int
+    tokens_evaluated: int
+    generation_settings: dict[str, Any]
+    has_new_line: bool
+    truncated: bool
+    stop_type: Literal["eos", "word", "limit", "none"]
+    stopping_word: str
+    tokens_cached: int
+    timings: Timings
+    session_id: str | None
+    polykv: PolykvResponseInfo
+    completion_probabilities: list[NativeProb] | None = None
 
 
 Reason = Literal[
@@ -455,6 +609,10 @@ class PoolSession(BaseModel):
     suffix_n_tokens: int
     marginal_kv_bytes: int = Field(description="bytes of KV cells only this session holds")
     tps_ewma: float
+    ttft_ms: float | None = Field(None, description="the last turn's time to first token")
+    implicit_shared_tokens: int = Field(
+        0, description="positions whose cells another session holds too (automatic sharing)"
+    )
     state: Literal["idle", "prefill", "decoding"]
 
 
@@ -523,13 +681,40 @@ class PoolList(BaseModel):
     unpooled_sessions: list[PoolSession] = Field(
         default_factory=list, description="sessions holding KV outside any pool"
     )
+    implicit_shared_cells: int = Field(
+        0,
+        description="cells two or more sessions share without a pool (automatic prefix "
+        "sharing); each is counted once, owned by the first session holding it",
+    )
     kv_cells_measured: int | None = Field(
         None, description="llama.cpp's own used-cell count (engine started with --polykv-kv-debug)"
+    )
+    sessions_active: int = Field(0, description="sessions processing a turn (autoscaling)")
+    sessions_refused: int = Field(
+        0, description="distinct sessions refused in the last 60 s (gate 429 or a full queue)"
+    )
+    sessions_headroom: int = Field(0, description="more sessions free slots and KV would take")
+    floor_pressure: float = Field(
+        0.0, description="max over floored pools of floor / mean_active_tps on this replica"
     )
     n_active: int = Field(0, description="sessions decoding with a measured rate, engine-wide")
     n_warming: int = Field(0, description="sessions decoding, rate not measured yet")
     active_tps_sum: float = Field(0.0, description="Σ tps_ewma of the n_active sessions")
     mean_active_tps: float = Field(0.0, description="active_tps_sum / n_active (0 when none)")
+
+
+class PoolDetail(PoolStatus):
+    """``GET /polykv/pools/{id}``: the pool, its subtree, and the replica's boot id."""
+
+    descendants: list[PoolStatus]
+    boot_id: str
+
+
+class PoolReleased(BaseModel):
+    """``DELETE /polykv/pools/{id}``."""
+
+    released: int = Field(description="the id the pool had on this replica")
+    boot_id: str
 
 
 class PoolCreated(BaseModel):

@@ -19,17 +19,30 @@ Op = tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | None]
 
 # (method, path, summary, request model, response model)
 OPERATIONS: list[Op] = [
-    ("post", "/completion", "llama-server native completion", m.CompletionRequest, None),
-    ("post", "/v1/completions", "OpenAI completions", m.OAICompletionRequest, None),
-    ("post", "/v1/chat/completions", "OpenAI chat completions", m.ChatCompletionRequest, None),
+    (
+        "post",
+        "/completion",
+        "llama-server native completion",
+        m.CompletionRequest,
+        m.NativeCompletion,
+    ),
+    ("post", "/v1/completions", "OpenAI completions", m.OAICompletionRequest, m.TextCompletion),
+    (
+        "post",
+        "/v1/chat/completions",
+        "OpenAI chat completions (tools, response_format, logprobs)",
+        m.ChatCompletionRequest,
+        m.ChatCompletion,
+    ),
+    ("post", "/apply-template", "The chat template applied", m.ApplyTemplateRequest, None),
     ("post", "/tokenize", "Text to tokens", m.TokenizeRequest, None),
     ("post", "/detokenize", "Tokens to text", m.DetokenizeRequest, None),
     ("get", "/polykv/tps", "Per-session and aggregate decode tps", None, m.TpsSnapshot),
     ("get", "/polykv/sessions/{session}", "Where a session lives", None, m.SessionInfo),
     ("post", "/polykv/pools", "Create a root pool", m.PoolCreateRequest, m.PoolCreated),
     ("get", "/polykv/pools", "The pool tree with KV accounting", None, m.PoolList),
-    ("get", "/polykv/pools/{pool}", "One pool and its descendants", None, m.PoolStatus),
-    ("delete", "/polykv/pools/{pool}", "Release a pool (leaves first)", None, None),
+    ("get", "/polykv/pools/{pool}", "One pool and its descendants", None, m.PoolDetail),
+    ("delete", "/polykv/pools/{pool}", "Release a pool (leaves first)", None, m.PoolReleased),
     (
         "post",
         "/polykv/pools/{pool}/fork",
@@ -106,6 +119,8 @@ def document() -> dict[str, Any]:
                 "application/json": {"schema": {"$ref": f"#/components/schemas/{resp.__name__}"}}
             }
         op["responses"]["200"] = ok
+        if resp is m.PoolCreated:  # a new pool is 201; an existing one of that name is 200
+            op["responses"]["201"] = {**ok, "description": "Created"}
         for code, why in ERRORS.items():
             op["responses"][code] = {
                 "description": f"{why}; `error.reason` says which (see ErrorDetail.reason)",

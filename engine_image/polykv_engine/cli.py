@@ -157,6 +157,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="cadence of the /polykv/tps SSE stream",
     )
     p.add_argument(
+        "--no-polykv-auto-share",
+        dest="auto_share",
+        action="store_false",
+        help="do not share a prompt's prefix with other sessions' cells (pools still do)",
+    )
+    p.add_argument(
+        "--polykv-max-queue",
+        type=int,
+        default=None,
+        help="requests that may wait for a slot; more get 503 + Retry-After (default 8 x -np)",
+    )
+    p.add_argument(
+        "--sse-ping-interval",
+        type=float,
+        default=10.0,
+        help="seconds between SSE keep-alive comments while a stream has nothing to send",
+    )
+    p.add_argument(
+        "-to",
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds a client may take to read a response chunk before it is dropped",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=20.0,
@@ -223,6 +248,7 @@ def config_from_args(
         ("--threads", args.threads, 0),
         ("--port", args.port, 0),
         ("--polykv-pool-grace-ms", args.polykv_pool_grace_ms, 0),
+        ("--polykv-max-queue", args.polykv_max_queue or 0, 0),
     ):
         if value < low:
             parser.error(f"{name} must be >= {low}, got {value}")
@@ -236,6 +262,8 @@ def config_from_args(
             f"--cache-type-v {args.cache_type_v} needs flash attention (llama.cpp keeps a "
             "quantized V cache only with it): drop -fa off or use -ctv f16"
         )
+    if args.sse_ping_interval <= 0 or args.timeout <= 0:
+        parser.error("--sse-ping-interval and --timeout must be > 0 seconds")
     if not 50 <= args.polykv_tps_interval_ms <= 60_000:
         parser.error("--polykv-tps-interval-ms must be between 50 and 60000")
     api_keys = _keys(args.api_key, "LLAMA_API_KEY", args.api_key_file, "--api-key-file", parser)
@@ -270,6 +298,10 @@ def config_from_args(
         pool_grace_s=args.polykv_pool_grace_ms / 1e3,
         kv_debug=args.polykv_kv_debug,
         warmup=not args.no_warmup,
+        auto_share=args.auto_share,
+        max_queue=(
+            args.polykv_max_queue if args.polykv_max_queue is not None else 8 * args.parallel
+        ),
     )
     settings = ServerSettings(
         host=args.host,
@@ -280,6 +312,8 @@ def config_from_args(
         model_alias=args.alias,
         tps_stream_interval_ms=args.polykv_tps_interval_ms,
         shutdown_timeout_s=args.shutdown_timeout,
+        sse_ping_interval_s=args.sse_ping_interval,
+        write_timeout_s=args.timeout,
     )
     return engine_cfg, settings, args
 

@@ -252,7 +252,7 @@ class Round:
             errors[obs.pod] = CreateError(f"no answer: {exc}")
             return
         except EngineRejected as exc:
-            errors[obs.pod] = CreateError(exc.message, capacity=exc.capacity)
+            errors[obs.pod] = CreateError(exc.message, capacity=exc.reason == "seq_ids_exhausted")
             log.warning(
                 "pool create failed ns=%s pool=%s pod=%s status=%s message=%s",
                 node.namespace,

@@ -110,7 +110,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
     if CONFIG.metrics_port is not None:
         metrics.REGISTRY.register(metrics.FleetCollector(lambda: metrics.figures(FLEET)))
-        metrics.serve(CONFIG.metrics_port)
+        metrics.REGISTRY.register(metrics.PoolCollector(metrics.POOLS.rows))
+        metrics.serve(CONFIG.metrics_port, CONFIG.metrics_address)
     log.info(
         "operator configured poll_interval_s=%s metrics_port=%s",
         CONFIG.poll_interval_s,
@@ -395,6 +396,15 @@ async def pool_status(
     ctx = _pool_context(namespace, engines_idx, pools_idx, policies_idx)
     new = stat.pool_status(node, ctx, stat.previous_conditions(status))
     patch.status.update(stat.patch_for(status, new))
+    metrics.POOLS.record(
+        metrics.PoolFigures(
+            namespace,
+            name,
+            node.engine,
+            {c.type: c.status for c in new.conditions or []},
+            bool(new.orphaned_pin),
+        )
+    )
 
 
 @kopf.on.delete(GROUP, VERSION, POOL.plural)
@@ -432,6 +442,7 @@ async def release_pool(
     if waiting is not None:
         patch.status.update(waiting.status_patch)
         raise kopf.TemporaryError(waiting.message, delay=waiting.delay)
+    metrics.POOLS.forget(namespace, name)
 
 
 # ---------------------------------------------------------------------------- policies

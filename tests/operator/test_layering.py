@@ -25,7 +25,7 @@ LAYERS: dict[str, int] = {
         ("config", "faults", "metrics", "engine_client", "kube", "engine_round", "pool_release"),
         2,
     ),
-    **dict.fromkeys(("main", "cli", "crdgen"), 3),
+    **dict.fromkeys(("main", "cli", "crdgen", "hooks", "chartgen", "kubectl_plugin"), 3),
 }
 ENTRY = 3
 NAMES = {0: "api", 1: "pure", 2: "I/O", 3: "entry"}

@@ -69,31 +69,6 @@ class SourceReader:
             return {k: base64.b64decode(v).decode() for k, v in raw.items()}
         return dict(raw)
 
-    def token(self, pod: Obj, expiration_s: int, audience: str | None = None) -> str:
-        """A token for the pod's ServiceAccount, bound to the pod (a TokenRequest, as the
-        kubelet makes for a projected serviceAccountToken)."""
-        account = pod["spec"].get("serviceAccountName") or "default"
-        spec: dict[str, Any] = {
-            "expirationSeconds": expiration_s,
-            "boundObjectRef": {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "name": pod["metadata"]["name"],
-                "uid": pod["metadata"]["uid"],
-            },
-        }
-        if audience:
-            spec["audiences"] = [audience]
-        path = f"/api/v1/namespaces/{self.namespace}/serviceaccounts/{account}/token"
-        try:
-            out = self.api.create(
-                path,
-                {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
-            )
-        except ApiError as exc:
-            raise ConfigError(f"serviceaccount {account!r}: {exc.message}") from None
-        return str(out["status"]["token"])
-
 
 def container_env(
     container: Obj,

@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..kubeapi import Obj
+from ..kubeapi import ApiError, Obj
 from .podenv import ConfigError, SourceReader, field_ref
+from .serviceaccount import bound_token
 
 
 def prepare(pod: Obj, pod_dir: Path, claims_dir: Path, reader: SourceReader) -> dict[str, Path]:
@@ -52,9 +53,13 @@ def prepare(pod: Obj, pod_dir: Path, claims_dir: Path, reader: SourceReader) -> 
                         _write_files(own, data, ref.get("items"))
                 if "serviceAccountToken" in source:
                     sat = source["serviceAccountToken"]
-                    token = reader.token(
-                        pod, int(sat.get("expirationSeconds", 3600)), sat.get("audience")
-                    )
+                    try:
+                        token = bound_token(
+                            reader.api, pod, int(sat.get("expirationSeconds", 3600)),
+                            sat.get("audience"),
+                        )  # fmt: skip
+                    except ApiError as exc:  # retried like a kubelet: the container waits
+                        raise ConfigError(f"volume {name!r}: token: {exc.message}") from None
                     _write_files(own, {"token": token}, [{"key": "token", "path": sat["path"]}])
                 if "downwardAPI" in source:
                     _write_files(own, _downward(pod, source["downwardAPI"]), None)

@@ -106,7 +106,8 @@ def generic_system_text(functions: Sequence[dict[str, Any]]) -> str:
         "You can call these functions:\n"
         f"{listing}\n"
         'Reply with JSON only: {"tool_calls": [{"name": <function>, "arguments": {...}}]} '
-        'to call functions, or {"response": <text>} to answer the user.'
+        'to call functions, or {"response": <text>} to answer the user. A function\'s '
+        'result comes back as {"tool_response": ...}: use it to answer the user.'
     )
 
 
@@ -339,16 +340,24 @@ def _hermes(doc: str, final: bool) -> _Seen:
         if node.end is None:
             return seen
         close = skip_ws(doc, node.end)
-        pos = close + len(HERMES_CLOSE) if doc.startswith(HERMES_CLOSE, close) else node.end
+        if doc.startswith(HERMES_CLOSE, close):
+            pos = close + len(HERMES_CLOSE)
+        elif not final and HERMES_CLOSE.startswith(doc[close:]):
+            return seen  # the closing tag is still arriving
+        else:
+            pos = node.end
 
 
 def _llama3(doc: str, final: bool) -> _Seen:
     start = skip_ws(doc, 0)
-    if doc.startswith(PYTHON_TAG, start):
+    tagged = doc.startswith(PYTHON_TAG, start)
+    if tagged:
         start = skip_ws(doc, start + len(PYTHON_TAG))
     elif not final and PYTHON_TAG.startswith(doc[start:]) and start < len(doc):
         return _Seen()  # maybe the tag, maybe not: wait
-    if start >= len(doc) or doc[start] != "{":
+    if start >= len(doc):
+        return _Seen() if tagged or not final else _Seen(content=doc)
+    if doc[start] != "{":
         return _Seen(content=doc)
     seen = _Seen()
     pos = start

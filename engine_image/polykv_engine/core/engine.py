@@ -55,6 +55,10 @@ from polykv_engine.tokens import common_prefix_len
 
 log = logging.getLogger("polykv.engine")
 
+# A prompt waits for another slot's prefill only when it would then share at least this
+# many more tokens: below it, computing them in parallel costs less than waiting.
+SHARE_WAIT_MIN_TOKENS = 64
+
 T = TypeVar("T")
 
 
@@ -69,6 +73,8 @@ class EngineConfig:
     pool_grace_s: float = 10.0  # an idle pool is kept this long before KV pressure may evict it
     kv_debug: bool = False  # reserve a probe sequence to read llama.cpp's used-cell count
     warmup: bool = True  # run the model once before reporting ready (--no-warmup: skip)
+    max_queue: int = 64  # requests waiting for a slot beyond which new ones get 503
+    auto_share: bool = True  # share a prompt's prefix with any resident sequence (no pool)
 
 
 class Engine:
@@ -92,6 +98,8 @@ class Engine:
         self._pools: PoolManager | None = None
         self._slots: SlotTable | None = None
         self.pools_disabled_reason: str | None = None
+        self._reclaim_key: tuple[int, tuple[int, ...]] | None = None
+        self._reclaim_cells = 0
 
     # ------------------------------------------------------------------ any thread
 
@@ -260,7 +268,7 @@ class Engine:
     def _handle(self, item: tuple[str, Any]) -> None:
         kind, payload = item
         if kind == "submit":
-            self._waiting.append(payload)
+            self._accept(payload)
         elif kind == "cancel":
             self._cancel(payload)
         elif kind == "call":
@@ -272,6 +280,22 @@ class Engine:
                     fut.set_exception(exc)
         elif kind == "stop":
             self._stop_requested = True
+
+    def _accept(self, task: GenerateTask) -> None:
+        """Queue a request, unless the queue is full or its session already runs a turn."""
+        if len(self._waiting) >= self.cfg.max_queue:
+            msg = f"the engine queue is full ({self.cfg.max_queue} requests wait for a slot)"
+            self._fail(task, 503, "unavailable_error", "queue_full", msg, retry_after=2)
+            return
+        sid = task.session_id
+        if sid is not None and (
+            any(s.session_id == sid and s.state != "idle" for s in self.slots.slots)
+            or any(w.session_id == sid for w in self._waiting)
+        ):
+            msg = f"session {sid!r} already has a request running; send turns one at a time"
+            self._fail(task, 409, "conflict_error", "session_busy", msg, retry_after=1)
+            return
+        self._waiting.append(task)
 
     def _cancel(self, task_id: int) -> None:
         for task in list(self._waiting):
@@ -306,6 +330,9 @@ class Engine:
                     continue
             except PoolError as exc:
                 self._fail_pool(task, exc, "invalid_request_error")
+                continue
+            if self._waits_for_a_shared_prefix(task):
+                still.append(task)
                 continue
             session_slot = table.slot_of(task.session_id)
             chosen = choose_slot(views, task.prompt, session_slot, task.id_slot, task.cache_prompt)
@@ -385,6 +412,9 @@ class Engine:
             except PoolError as exc:
                 self._fail_pool(task, exc, "conflict_error")
                 return
+        same_session = task.session_id is not None and slot.session_id == task.session_id
+        task.prev_tps = slot.rate.tps if same_session else 0.0
+        task.slot_id = slot.slot_id
         self.slots.bind(slot, task.session_id)
         keep = common_prefix_len(slot.cache_tokens, task.prompt)
         if not task.cache_prompt:
@@ -393,6 +423,8 @@ class Engine:
         keep = self._swa_reusable(slot, keep)
         self.kv.truncate(slot.slot_id, keep)
         del slot.cache_tokens[keep:]
+        if task.cache_prompt and self._auto_share:
+            keep = self._share_prefix(slot, task.prompt, keep)
         self._update_pool_link(slot, task.pool)
         if task.pool is not None and task.pool.seq_id is not None:
             task.shared_prefix = self.kv.model.common_cells(slot.slot_id, task.pool.seq_id)
@@ -405,6 +437,23 @@ class Engine:
                 slot.sampler.accept_prompt(tok)
         slot.seed = sampling.seed
         slot.task = task
+        slot.last_task_id = task.task_id
+        slot.params = {
+            "n_predict": task.stop.n_predict,
+            "seed": sampling.seed,
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k,
+            "top_p": sampling.top_p,
+            "min_p": sampling.min_p,
+            "repeat_last_n": sampling.repeat_last_n,
+            "repeat_penalty": sampling.repeat_penalty,
+            "presence_penalty": sampling.presence_penalty,
+            "frequency_penalty": sampling.frequency_penalty,
+            "stop": list(task.stop.stops),
+            "ignore_eos": task.stop.ignore_eos,
+            "n_probs": task.logprobs or 0,
+            "grammar": sampling.grammar.gbnf if sampling.grammar else "",
+        }
         slot.state = "prefill"
         slot.prompt = task.prompt
         slot.n_prompt_done = keep
@@ -425,6 +474,64 @@ class Engine:
             keep,
             task.pool.label if task.pool else None,
         )
+
+    @property
+    def _auto_share(self) -> bool:
+        """Sharing cells between sequences is only sound where pools are (a plain KV cache:
+        no sliding window recycling cells, no recurrent state)."""
+        info = self.rt.info
+        return self.cfg.auto_share and not (info.n_swa > 0 or info.is_recurrent or info.is_hybrid)
+
+    def _resident_prefix(self, slot: Slot | None, prompt: list[int]) -> tuple[int, int]:
+        """(sequence id, P): the resident sequence other than ``slot`` whose cells hold the
+        longest prefix of ``prompt`` (another session's prompt cache, a running session's
+        context, the part of a prompt already prefilled, or a resident pool)."""
+        best_seq, best = -1, 0
+        for other in self.slots.slots:
+            if other is not slot and len(other.cache_tokens) > best:
+                p = common_prefix_len(other.cache_tokens, prompt)
+                if p > best:
+                    best_seq, best = other.slot_id, p
+        for pool in self.pools.tree.pools.values():
+            if pool.residency == "resident" and pool.seq_id is not None:
+                p = common_prefix_len(pool.tokens, prompt)
+                if p > best:
+                    best_seq, best = pool.seq_id, p
+        return best_seq, best
+
+    def _share_prefix(self, slot: Slot, prompt: list[int], keep: int) -> int:
+        """Automatic prefix sharing: extend the slot's reused prefix with cells another
+        sequence already computed for the same tokens (``seq_cp``: nothing is copied, no
+        token is prefilled twice). Returns the new number of reused prompt tokens."""
+        src, p = self._resident_prefix(slot, prompt)
+        p = min(p, len(prompt) - 1)  # the last prompt token is recomputed for its logits
+        if p <= keep:
+            return keep
+        self.kv.share(src, slot.slot_id, keep, p)
+        slot.cache_tokens.extend(prompt[keep:p])
+        self._bump(auto_shared_tokens=p - keep)
+        return p
+
+    def _waits_for_a_shared_prefix(self, task: GenerateTask) -> bool:
+        """A prompt whose long prefix another slot is prefilling right now waits for it,
+        then shares those cells instead of computing them a second time in parallel (the
+        agents released together on one system prompt)."""
+        if not task.cache_prompt or not self._auto_share:
+            return False
+        prefilling = [s for s in self.slots.slots if s.state == "prefill"]
+        if not prefilling:
+            return False
+        coming = max(common_prefix_len(s.prompt, task.prompt) for s in prefilling)
+        if coming < SHARE_WAIT_MIN_TOKENS:
+            return False
+        own = self.slots.slot_of(task.session_id)
+        have = (
+            common_prefix_len(self.slots[own].cache_tokens, task.prompt) if own is not None else 0
+        )
+        if task.pool is not None:
+            have = max(have, common_prefix_len(task.pool.tokens, task.prompt))
+        _, resident = self._resident_prefix(None, task.prompt)
+        return coming - max(have, resident) >= SHARE_WAIT_MIN_TOKENS
 
     def _swa_reusable(self, slot: Slot, keep: int) -> int:
         """On a sliding-window model, cached tokens can be reused only while the window
@@ -471,7 +578,10 @@ class Engine:
             except LlamaError as exc:
                 self._abort_batch(str(exc))
                 return
-            self._bump(decode_calls=1, decode_seconds=time.perf_counter() - td)
+            busy = sum(1 for s in self.slots.slots if s.batch_tokens)
+            self._bump(
+                decode_calls=1, decode_seconds=time.perf_counter() - td, busy_slot_steps=busy
+            )
             if rc == 0:
                 break
             if not self._make_room():
@@ -492,12 +602,17 @@ class Engine:
 
     def _shed_view(self) -> ShedView:
         slots = self.slots.slots
-        idle = sorted(
-            (s for s in slots if s.state == "idle" and s.cache_tokens), key=lambda s: s.last_used
-        )
+        model = self.kv.model
+        # Idle prompt caches that free cells when dropped; ones nobody shares go first (a
+        # shared one keeps helping another sequence), then the least recently used.
+        idle = [
+            (model.sharers(s.slot_id) > 0, s.last_used, s.slot_id)
+            for s in slots
+            if s.state == "idle" and s.cache_tokens and model.freed_by_clearing([s.slot_id])
+        ]
         snaps = self.slots.snapshots()
         return ShedView(
-            idle_caches=[s.slot_id for s in idle],
+            idle_caches=[slot_id for _, _, slot_id in sorted(idle)],
             reclaimable_pools=[p.pool_id for p in self.pools.reclaimable(snaps, time.time())],
             builds_in_batch=[b.pool.pool_id for b in self.pools.builds_in_batch()],
             active=[
@@ -555,6 +670,7 @@ class Engine:
                 if slot.logits_idx < 0:
                     continue
                 slot.t_first = now
+                slot.ttft_ms = (now - slot.t_start) * 1e3
                 slot.state = "decoding"
                 self._bump(
                     prompt_tokens=len(slot.prompt) - slot.n_cached,
@@ -661,14 +777,23 @@ class Engine:
             predicted_tokens=len(slot.generated),
             predicted_seconds=now - t_first,
         )
+        longest = len(slot.prompt) + len(slot.generated)
+        if longest > self._counters.tokens_max:
+            self._counters = replace(self._counters, tokens_max=longest)
         task.sink.emit(DoneEvent(result))
         self.slots.release(slot)
 
     def _fail(
-        self, task: GenerateTask, status: int, type_: str, reason: Reason, message: str
+        self,
+        task: GenerateTask,
+        status: int,
+        type_: str,
+        reason: Reason,
+        message: str,
+        retry_after: int | None = None,
     ) -> None:
         self._bump(requests_failed=1)
-        task.sink.emit(ErrorEvent(status, type_, message, reason))
+        task.sink.emit(ErrorEvent(status, type_, message, reason, retry_after))
 
     def _fail_pool(self, task: GenerateTask, exc: PoolError, default_type: str) -> None:
         self._fail(task, exc.status, exc.type or default_type, exc.reason, exc.message)
@@ -712,10 +837,24 @@ class Engine:
             aggregate_tps=self._decode_rate.rate(now),
             prefill_tps=self._prefill_rate.rate(now),
             kv_cells_used=self._kv.used if self._kv is not None else 0,
+            kv_cells_reclaimable=self._reclaimable(),
             kv_cells_total=rt.n_ctx if rt else 0,
             pools=pools,
             counters=self._counters,
         )
+
+    def _reclaimable(self) -> int:
+        """Cells only idle prompt caches hold: a new session gets them by dropping caches,
+        so they count as headroom. Recomputed only when cell ownership or the idle set
+        changed (not on every decoded token)."""
+        if self._kv is None or self._slots is None:
+            return 0
+        idle = tuple(s.slot_id for s in self._slots.slots if s.state == "idle" and s.cache_tokens)
+        key = (self._kv.version, idle)
+        if key != self._reclaim_key:
+            self._reclaim_key = key
+            self._reclaim_cells = self._kv.model.freed_by_clearing(idle)
+        return self._reclaim_cells
 
     def _shutdown(self) -> None:
         msg = "server is shutting down"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from polykv_engine.core.snapshot import SlotSnapshot, SlotState
 from polykv_engine.core.tasks import GenerateTask
@@ -54,6 +55,9 @@ class Slot:
     assembler: TextAssembler = field(default_factory=TextAssembler)
     t_start: float = 0.0
     t_first: float = 0.0
+    ttft_ms: float | None = None  # the last turn's time to first token
+    last_task_id: int = -1
+    params: dict[str, Any] = field(default_factory=dict)  # the last request's settings
     seed: int = 0
     logits_idx: int = -1  # index in the current batch whose logits this slot samples
     batch_tokens: int = 0  # tokens this slot put in the current batch
@@ -77,13 +81,17 @@ class Slot:
             pool_id=self.pool_id,
             n_ctx=self.n_ctx,
             ctx_used=len(self.cache_tokens),
-            n_prompt=len(self.prompt) if task else 0,
-            n_decoded=len(self.generated) if task else 0,
+            n_prompt=len(self.prompt),  # the running request's, else the last one's
+            n_decoded=len(self.generated),
             n_remain=n_remain,
             tps_ewma=self.rate.tps,
             warming=self.rate.warming,
             last_used=self.last_used,
             shared_prefix=self.shared_prefix if self.pool_id is not None else 0,
+            ttft_ms=self.ttft_ms,
+            n_cached=self.n_cached,
+            last_task_id=self.last_task_id,
+            params=self.params,
         )
 
 

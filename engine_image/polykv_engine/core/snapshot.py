@@ -7,7 +7,7 @@ assignment, so no lock and no round trip to the engine thread) and never see hal
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from polykv_api.models import AdmissionPolicy, PoolRef
 from polykv_engine.policy.tps import ActiveRates, active_rates
@@ -31,6 +31,10 @@ class SlotSnapshot:
     warming: bool
     last_used: float
     shared_prefix: int = 0  # leading cells that are the pool's (not this session's own)
+    ttft_ms: float | None = None  # the last turn's time to first token
+    n_cached: int = 0  # prompt tokens the last request reused from KV
+    last_task_id: int = -1
+    params: dict[str, Any] = field(default_factory=dict)  # the last request's settings
 
     @property
     def processing(self) -> bool:
@@ -70,6 +74,9 @@ class Counters:
     step_seconds: float = 0.0
     kv_full_events: int = 0
     context_shifts: int = 0
+    busy_slot_steps: int = 0  # Σ over decode calls of the slots in the batch
+    auto_shared_tokens: int = 0  # prompt tokens shared from another sequence (no pool)
+    tokens_max: int = 0  # longest sequence seen (prompt + generation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +89,7 @@ class EngineSnapshot:
     prefill_tps: float = 0.0
     kv_cells_used: int = 0
     kv_cells_total: int = 0
+    kv_cells_reclaimable: int = 0  # held only by idle prompt caches: free on demand
     pools: tuple[PoolSnapshot, ...] = ()
     counters: Counters = field(default_factory=Counters)
 

@@ -70,6 +70,7 @@ class ErrorEvent:
     type: str
     message: str
     reason: Reason = "internal"
+    retry_after: int | None = None  # seconds, when trying again later can succeed
 
 
 Event = TokenEvent | DoneEvent | ErrorEvent
@@ -101,3 +102,5 @@ class GenerateTask:
     pool: Pool | None = None
     pool_fallback: str | None = None  # why the pool could not be used (served without it)
     shared_prefix: int = 0
+    slot_id: int = -1
+    prev_tps: float = 0.0  # the session's experienced tps at the end of its previous turn

@@ -15,21 +15,25 @@ import contextlib
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
 from polykv_api.models import AdmissionReason, Capacity, Reason
 from polykv_engine.core.engine import Engine
 from polykv_engine.core.snapshot import EngineSnapshot, PoolSnapshot
 from polykv_engine.core.tasks import GenerateTask
 from polykv_engine.http.errors import ApiError
+from polykv_engine.http.metrics import PoolCounters
 from polykv_engine.policy.admission import (
     REASON_SETTLING,
     EngineView,
     PoolAdmissionState,
     SessionView,
     capacity,
+    compaction_pressure,
     retry_after_s,
 )
+from polykv_engine.policy.autoscale import PoolLoad, RecentDistinct, floor_pressure
+from polykv_engine.policy.tps import active_rates
 
 log = logging.getLogger("polykv.admission")
 
@@ -46,7 +50,7 @@ GATE_REASONS: dict[AdmissionReason, Reason] = {
 POLL_S = 0.05
 
 
-def engine_view(snap: EngineSnapshot, pool: PoolSnapshot) -> EngineView:
+def engine_view(snap: EngineSnapshot, pool: PoolSnapshot | None) -> EngineView:
     sessions = tuple(
         SessionView(
             task_id=s.task_id,
@@ -54,7 +58,7 @@ def engine_view(snap: EngineSnapshot, pool: PoolSnapshot) -> EngineView:
             warming=s.warming and s.processing,
             tps_ewma=s.tps_ewma,
             n_decoded=s.n_decoded,
-            in_pool=s.pool_id == pool.pool_id,
+            in_pool=pool is not None and s.pool_id == pool.pool_id,
             ctx_used=s.ctx_used,
             private_tokens=max(0, s.ctx_used - s.shared_prefix),
         )
@@ -62,11 +66,12 @@ def engine_view(snap: EngineSnapshot, pool: PoolSnapshot) -> EngineView:
     )
     return EngineView(
         sessions=sessions,
-        free_cells=max(0, snap.kv_cells_total - snap.kv_cells_used),
+        # Idle prompt caches are dropped when a session needs their cells: not used here.
+        free_cells=max(0, snap.kv_cells_total - snap.kv_cells_used + snap.kv_cells_reclaimable),
         total_cells=snap.kv_cells_total,
         n_ctx_slot=snap.n_ctx_slot,
         idle_slots=sum(1 for s in snap.slots if not s.processing),
-        pool_prefix_len=pool.prefix_len,
+        pool_prefix_len=pool.prefix_len if pool is not None else 0,
     )
 
 
@@ -74,39 +79,12 @@ class AdmissionGate:
     def __init__(self, engine: Engine, registry: CollectorRegistry) -> None:
         self.engine = engine
         self.states: dict[int, PoolAdmissionState] = {}
-        self.admits = Counter(
-            "polykv_pool_admits", "New sessions admitted to a pool", ["pool"], registry=registry
-        )
-        self.rejects = Counter(
-            "polykv_pool_rejects",
-            "New sessions refused by an enforced policy",
-            ["pool", "reason"],
-            registry=registry,
-        )
-        self.holds = Counter(
-            "polykv_pool_holds",
-            "Attaches held while a pool settled or queued",
-            ["pool"],
-            registry=registry,
-        )
-        self.overcommits = Counter(
-            "polykv_pool_overcommits",
-            "Attaches that bypassed the gate",
-            ["pool"],
-            registry=registry,
-        )
-        self.rehomes = Counter(
-            "polykv_pool_rehomed_sessions",
-            "Sessions moved here by a router from a replica that went away (never gated)",
-            ["pool"],
-            registry=registry,
-        )
-        self.prefix_hits = Counter(
-            "polykv_pool_prefix_hits",
-            "Requests that reused a pool's cached prefix",
-            ["pool"],
-            registry=registry,
-        )
+        self.counters = PoolCounters(registry)
+        # Sessions turned away in the last minute, engine-wide and per pool: demand that a
+        # floor-keeping gate hides from the tps figures (autoscaling counts it).
+        self.refused = RecentDistinct()
+        self.refused_by_pool: dict[str, RecentDistinct] = {}
+        self._labels: dict[int, str] = {}  # pool id -> the label its series carry
         self._updater: asyncio.Task[None] | None = None
 
     def state(self, pool_id: int) -> PoolAdmissionState:
@@ -135,6 +113,10 @@ class AdmissionGate:
         live = {p.pool_id for p in snap.pools}
         for pid in [pid for pid in self.states if pid not in live]:
             del self.states[pid]  # the pool was released
+        for pid in [pid for pid in self._labels if pid not in live]:
+            label = self._labels.pop(pid)
+            self.counters.forget(label)  # its series go with it
+            self.refused_by_pool.pop(label, None)
         for pool in snap.pools:
             if pool.admission is None:
                 continue
@@ -156,6 +138,13 @@ class AdmissionGate:
         known = session_id is not None and any(s.session_id == session_id for s in snap.slots)
         return capacity(pool.admission, st, view, now, expected_tokens, known)
 
+    def compaction_pressure(self, pool: PoolSnapshot | None) -> float:
+        """0..1: how close the sessions (of ``pool``, or engine-wide) are to the KV wall."""
+        snap = self.engine.snapshot
+        if pool is not None:
+            return self.capacity(pool, None, None).compaction_pressure
+        return compaction_pressure(engine_view(snap, None))
+
     async def admit(
         self, task: GenerateTask, overcommit: bool, rehomed: bool = False
     ) -> dict[str, str]:
@@ -174,28 +163,29 @@ class AdmissionGate:
             return {}  # continuation: never gated
         if rehomed:
             log.info("pool %s: re-homed session %s admitted ungated", pool.label, task.session_id)
-            self.rehomes.labels(pool.label).inc()
+            self.counters.rehomes.labels(pool.label).inc()
             return {}
         if overcommit:
             log.warning("pool %s: overcommit requested, gate bypassed", pool.label)
-            self.overcommits.labels(pool.label).inc()
+            self.counters.overcommits.labels(pool.label).inc()
             self._record(pool, task)
             return {}
         cap = self.capacity(pool, None, None)
         enforced = policy.mode == "enforced"
         if enforced and cap.reason == REASON_SETTLING:
             # Slow the spawn just enough: wait for the settle, then decide.
-            self.holds.labels(pool.label).inc()
+            self.counters.holds.labels(pool.label).inc()
             cap = await self._wait(pool, (policy.settle_max_ms + 1000) / 1e3, settle_only=True)
         if enforced and not cap.can_admit and policy.on_saturation == "queue":
-            self.holds.labels(pool.label).inc()
+            self.counters.holds.labels(pool.label).inc()
             cap = await self._wait(pool, policy.queue_max_ms / 1e3, settle_only=False)
         headers: dict[str, str] = {}
         if enforced and not cap.can_admit:
             if policy.on_saturation == "warn":
                 headers["X-Sessions-Remaining"] = str(cap.headroom_sessions)
             else:
-                self.rejects.labels(pool.label, cap.reason).inc()
+                self.counters.reject(pool.label, cap.reason_code)
+                self.record_refusal(task, pool.label)
                 raise ApiError(
                     429,
                     f"pool {pool.label!r} cannot admit a new session: {cap.reason}",
@@ -209,13 +199,44 @@ class AdmissionGate:
         self._record(pool, task)
         return headers
 
+    def record_refusal(self, task: GenerateTask, pool: str | None) -> None:
+        """A session was turned away (gate 429, or a full queue)."""
+        key = task.session_id or f"request-{task.task_id}"
+        now = time.monotonic()
+        self.refused.add(key, now)
+        if pool is not None:
+            self.refused_by_pool.setdefault(pool, RecentDistinct()).add(key, now)
+
+    def refused_recently(self, pool: str) -> int:
+        tracker = self.refused_by_pool.get(pool)
+        return tracker.count(time.monotonic()) if tracker is not None else 0
+
+    def autoscale(self) -> tuple[float, int, int, int]:
+        """(floor pressure, active sessions, refused in the last minute, headroom)."""
+        snap = self.engine.snapshot
+        now = time.monotonic()
+        loads = []
+        for pool in snap.pools:
+            members = [s for s in snap.slots if s.pool_id == pool.pool_id]
+            rates = active_rates((s.state == "decoding", s.warming, s.tps_ewma) for s in members)
+            floor = pool.admission.target_tps_per_session if pool.admission else None
+            loads.append(PoolLoad(floor, rates.n_active, rates.tps_sum))
+        view = engine_view(snap, None)
+        headroom = capacity(None, PoolAdmissionState(), view, now).headroom_sessions
+        return floor_pressure(loads), snap.n_processing, self.refused.count(now), headroom
+
     def finished(self, task: GenerateTask) -> None:
-        """The request ended: count a prefix hit when it reused the pool's cells."""
-        if task.pool is not None and task.shared_prefix > 0:
-            self.prefix_hits.labels(task.pool.label).inc()
+        """The request ended: count the query, and a prefix hit when it reused the pool's
+        cells."""
+        if task.pool is not None:
+            self._labels[task.pool.pool_id] = task.pool.label
+            self.counters.queries.labels(task.pool.label).inc()
+            if task.shared_prefix > 0:
+                self.counters.prefix_hits.labels(task.pool.label).inc()
 
     def _record(self, pool: PoolSnapshot, task: GenerateTask) -> None:
-        self.admits.labels(pool.label).inc()
+        self._labels[pool.pool_id] = pool.label
+        self.counters.admits.labels(pool.label).inc()
         view = engine_view(self.engine.snapshot, pool)
         self.state(pool.pool_id).record_admit(task.task_id, view, time.monotonic())
 

@@ -1,5 +1,10 @@
 """API keys: inference routes need an API key, pool management needs the admin key.
 
+* ``--api-key`` set: every route but ``/health`` and ``/metrics`` needs it (or the admin key).
+* no ``--api-key``: inference and read-only routes are open to whoever reaches the engine
+  (llama-server's behaviour); mutating ``/polykv`` routes and slot erase still need the admin
+  key when one is set, so agents never hold the key that deletes pools.
+
 ``/health`` and ``/metrics`` stay open, as in llama-server: probes and scrapers carry no
 secrets, and neither route exposes prompts or session ids.
 """
@@ -35,9 +40,10 @@ def key_matches(presented: str | None, keys: tuple[str, ...]) -> bool:
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     settings = request.app[APP_KEY].settings
-    keys = settings.api_keys + settings.admin_keys
-    if keys and request.path not in PUBLIC_PATHS and not key_matches(presented_key(request), keys):
-        raise ApiError(401, "Invalid API Key", "authentication_error")
+    if settings.api_keys and request.path not in PUBLIC_PATHS:
+        keys = settings.api_keys + settings.admin_keys
+        if not key_matches(presented_key(request), keys):
+            raise ApiError(401, "Invalid API Key", "authentication_error")
     return await handler(request)
 
 

@@ -86,7 +86,16 @@ def validation_message(exc: ValidationError) -> str:
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 that says what is wrong with it."""
+    """The request body as a JSON object, or a 400 that says what is wrong with it. A body
+    declared as something else than JSON is a 415 (no Content-Type at all is taken as JSON)."""
+    declared = request.headers.get("Content-Type")
+    if declared is not None:
+        mime = request.content_type
+        if mime != "application/json" and not mime.endswith("+json"):
+            raise ApiError(
+                415,
+                f"Content-Type {mime!r} is not JSON; send the body as application/json",
+            )
     raw = await request.read()
     if not raw:
         raise ApiError(400, "request body is empty; expected a JSON object", reason="invalid_json")

@@ -6,6 +6,7 @@ labels stay low-cardinality: never a session id or prompt text.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from polykv_engine.core.snapshot import EngineSnapshot
+from polykv_engine.policy.autoscale import demand_ratio
 
 _COUNTERS: list[tuple[str, str, str]] = [
     ("prompt_tokens", "prompt_tokens", "Prompt tokens computed (not served from cache)"),
@@ -67,6 +69,47 @@ class EngineCollector(Collector):
         yield gauge("sessions_warming", "Sessions decoding with no rate yet", active.n_warming)
         yield gauge("kv_cells_used", "KV cells holding tokens", snap.kv_cells_used)
         yield gauge("kv_cells_total", "KV cells in the cache", snap.kv_cells_total)
+        yield from llama_server_series(snap)
+
+
+def llama_server_series(snap: EngineSnapshot) -> Iterator[Metric]:
+    """The ``llamacpp:*`` series llama-server exports, same names and meaning, so existing
+    llama-server dashboards and alerts keep working against a PolyKV engine."""
+    c = snap.counters
+
+    def rate(n: float, seconds: float) -> float:
+        return n / seconds if seconds > 0 else 0.0
+
+    for name, doc, value in (
+        ("prompt_tokens", "Number of prompt tokens processed, excluding cached", c.prompt_tokens),
+        ("prompt_tokens_cached", "Number of prompt tokens reused from the cache", c.cache_tokens),
+        ("prompt_seconds", "Total time spent processing prompts", c.prompt_seconds),
+        ("tokens_predicted", "Number of generation tokens processed", c.predicted_tokens),
+        ("tokens_predicted_seconds", "Total time spent generating tokens", c.predicted_seconds),
+        ("n_decode", "Total number of llama_decode() calls", c.decode_calls),
+    ):
+        yield CounterMetricFamily(f"llamacpp:{name}", doc, value=value)
+    for name, doc, value in (
+        ("n_tokens_max", "Largest observed sequence length (prompt + generation)", c.tokens_max),
+        (
+            "prompt_tokens_seconds",
+            "Average prompt throughput in tokens/s",
+            rate(c.prompt_tokens, c.prompt_seconds),
+        ),
+        (
+            "predicted_tokens_seconds",
+            "Average generation throughput in tokens/s",
+            rate(c.predicted_tokens, c.predicted_seconds),
+        ),
+        ("requests_processing", "Number of requests processing", snap.n_processing),
+        ("requests_deferred", "Number of requests deferred", snap.n_waiting),
+        (
+            "n_busy_slots_per_decode",
+            "Average number of busy slots per llama_decode() call",
+            c.busy_slot_steps / max(c.decode_calls, 1),
+        ),
+    ):
+        yield GaugeMetricFamily(f"llamacpp:{name}", doc, value=value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +123,10 @@ class PoolGauges:
     gen_throughput_tps: float
     mean_active_tps: float
     compaction_pressure: float
+    active_sessions: int  # decoding with a measured rate: the additive parts of the mean,
+    active_tps_sum: float  # so replicas combine as Σ tps_sum / Σ active_sessions
+    floor_tps: float  # the admission floor (0 without a policy)
+    refused_sessions: int  # distinct sessions refused in the last minute
 
 
 _POOL_GAUGES: list[tuple[str, str]] = [
@@ -89,6 +136,10 @@ _POOL_GAUGES: list[tuple[str, str]] = [
     ("gen_throughput_tps", "Decode tokens/s of the pool's sessions"),
     ("mean_active_tps", "Mean experienced tps of the pool's decoding sessions"),
     ("compaction_pressure", "0..1: how close the pool's sessions are to running out of KV"),
+    ("active_sessions", "Sessions decoding with a measured rate (mean_active_tps's count)"),
+    ("active_tps_sum", "Σ experienced tps of those sessions (mean_active_tps's sum)"),
+    ("floor_tps", "The admission floor per session, 0 without a policy"),
+    ("refused_sessions", "Distinct sessions the gate refused in the last 60 s"),
 ]
 
 
@@ -105,13 +156,78 @@ class PoolCollector(Collector):
             yield fam
 
 
+class PoolCounters:
+    """Per-pool counters. A released pool's series are removed: agents create and release
+    ephemeral pools all day, and their label sets must not pile up in every scrape."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"polykv_pool_{name}", doc, ["pool"], registry=registry)
+
+        self.admits = counter("admits", "New sessions admitted to a pool")
+        self.holds = counter("holds", "Attaches held while a pool settled or queued")
+        self.overcommits = counter("overcommits", "Attaches that bypassed the gate")
+        self.rehomes = counter(
+            "rehomed_sessions",
+            "Sessions moved here by a router from a replica that went away (never gated)",
+        )
+        self.queries = counter("queries", "Requests attached to the pool")
+        self.prefix_hits = counter("prefix_hits", "Requests that reused a pool's cached prefix")
+        self.rejects = Counter(
+            "polykv_pool_rejects",
+            "New sessions refused by an enforced policy, by reason code",
+            ["pool", "reason"],
+            registry=registry,
+        )
+        self._reasons: dict[str, set[str]] = {}
+
+    def reject(self, pool: str, reason: str) -> None:
+        self._reasons.setdefault(pool, set()).add(reason)
+        self.rejects.labels(pool, reason).inc()
+
+    def forget(self, pool: str) -> None:
+        for c in (self.admits, self.holds, self.overcommits, self.rehomes, self.queries,
+                  self.prefix_hits):  # fmt: skip
+            with contextlib.suppress(KeyError):
+                c.remove(pool)
+        for reason in self._reasons.pop(pool, ()):
+            with contextlib.suppress(KeyError):
+                self.rejects.remove(pool, reason)
+
+
+class AutoscaleCollector(Collector):
+    """The engine's own autoscaling signals and their additive parts, always present (an
+    idle engine reports 0, never no data: scale-down needs a value)."""
+
+    def __init__(self, figures: Callable[[], tuple[float, int, int, int]]) -> None:
+        self._figures = figures
+
+    def collect(self) -> Iterator[Metric]:
+        pressure, active, refused, headroom = self._figures()
+        for name, doc, value in (
+            ("floor_pressure", "max over floored pools of floor / mean_active_tps", pressure),
+            ("sessions_active", "Sessions processing a turn", active),
+            ("sessions_refused", "Distinct sessions refused in the last 60 s", refused),
+            ("sessions_headroom", "More sessions the free slots and KV would take", headroom),
+            (
+                "session_demand_ratio",
+                "(active + refused) / (active + headroom)",
+                demand_ratio(active, refused, headroom),
+            ),
+        ):
+            yield GaugeMetricFamily(f"polykv_{name}", doc, value=value)
+
+
 def build_registry(
-    snapshot: Callable[[], EngineSnapshot], pool_gauges: Callable[[], list[PoolGauges]]
+    snapshot: Callable[[], EngineSnapshot],
+    pool_gauges: Callable[[], list[PoolGauges]],
+    autoscale: Callable[[], tuple[float, int, int, int]],
 ) -> tuple[CollectorRegistry, Counter]:
     """A registry of its own (tests run several engines in one process)."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(EngineCollector(snapshot))
     registry.register(PoolCollector(pool_gauges))
+    registry.register(AutoscaleCollector(autoscale))
     http = Counter(
         "polykv_http_requests",
         "HTTP requests by route template and status code",

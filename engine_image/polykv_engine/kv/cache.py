@@ -14,6 +14,9 @@ class KVCache:
     def __init__(self, rt: LlamaRuntime) -> None:
         self.rt = rt
         self.model = KVModel()
+        # Bumped by every change that can move a cell between owners (not by appends), so
+        # derived figures such as reclaimable cells are recomputed only when needed.
+        self.version = 0
 
     def length(self, seq: int) -> int:
         return self.model.length(seq)
@@ -24,16 +27,19 @@ class KVCache:
 
     def truncate(self, seq: int, pos: int) -> None:
         """Keep positions [0, pos) of ``seq``."""
+        self.version += 1
         if self.model.length(seq) > pos:
             self.rt.seq_rm(seq, pos, -1)
             self.model.truncate(seq, pos)
 
     def clear(self, seq: int) -> None:
+        self.version += 1
         self.rt.seq_rm(seq, -1, -1)
         self.model.clear(seq)
 
     def share(self, src: int, dst: int, p0: int, p1: int) -> None:
         """``dst`` (ending at p0) gains ``src``'s cells [p0, p1): no data is copied."""
+        self.version += 1
         if p1 <= p0:
             return
         self.rt.seq_cp(src, dst, p0, p1)
@@ -41,6 +47,7 @@ class KVCache:
 
     def shift(self, seq: int, n_keep: int, n_discard: int) -> None:
         """Context shift: drop [n_keep, n_keep + n_discard) and move the rest down."""
+        self.version += 1
         n_past = self.model.length(seq)
         self.rt.seq_rm(seq, n_keep, n_keep + n_discard)
         self.rt.seq_add(seq, n_keep + n_discard, n_past, -n_discard)

@@ -71,6 +71,26 @@ class KVModel:
         """True when a cell of ``seq`` at a position >= pos also belongs to another sequence."""
         return any(self._refs[c] > 1 for c in self._seqs.get(seq, [])[pos:])
 
+    def freed_by_clearing(self, seqs: Iterable[int]) -> int:
+        """Cells that would be freed if every sequence in ``seqs`` were cleared: those no
+        other sequence holds."""
+        held: Counter[int] = Counter()
+        for seq in set(seqs):
+            held.update(self._seqs.get(seq, ()))
+        return sum(1 for cell, n in held.items() if n == self._refs[cell])
+
+    def sharers(self, seq: int) -> int:
+        """Cells of ``seq`` that some other sequence holds too."""
+        return sum(1 for c in self._seqs.get(seq, ()) if self._refs[c] > 1)
+
+    def shared_with(self, seq: int, others: Iterable[int]) -> int:
+        """Cells of ``seq`` that any of ``others`` holds too."""
+        theirs: set[int] = set()
+        for other in others:
+            if other != seq:
+                theirs.update(self._seqs.get(other, ()))
+        return sum(1 for c in self._seqs.get(seq, ()) if c in theirs)
+
     def common_cells(self, a: int, b: int) -> int:
         """How many leading positions ``a`` and ``b`` hold in the very same cells."""
         ca, cb = self._seqs.get(a, []), self._seqs.get(b, [])

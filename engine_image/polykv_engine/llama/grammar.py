@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +34,112 @@ class Grammar:
     triggers: tuple[str, ...] = ()
 
 
+# JSON strings may not hold raw control characters; the converter's own rule lets them
+# through, so a model could write a newline inside a string and break json.loads.
+_CHAR_RULE = re.compile(r"^char ::= .*$", re.MULTILINE)
+_JSON_CHAR = (
+    r'char ::= [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] '
+    r"[0-9a-fA-F] [0-9a-fA-F])"
+)
+
+
+# Keywords the converter cannot enforce. A schema using one is refused rather than served
+# with the constraint silently dropped (the output must validate, not merely parse).
+_UNENFORCEABLE = {
+    "multipleOf", "uniqueItems", "minProperties", "maxProperties", "not", "if", "then",
+    "else", "patternProperties", "dependentRequired", "dependentSchemas", "contains",
+    "minContains", "maxContains", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+}  # fmt: skip
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_MARK = "__polykv_int_range_{}__"
+
+
+def _prepare(node: Any, path: str, ranges: list[tuple[int | None, int | None]]) -> Any:
+    """A copy of the schema the converter can take: integer bounds replaced by markers
+    (turned into range rules afterwards), unenforceable keywords refused by path."""
+    if isinstance(node, list):
+        return [_prepare(v, f"{path}[{i}]", ranges) for i, v in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    bad = sorted(_UNENFORCEABLE & node.keys())
+    if bad:
+        raise GrammarError(f"json_schema{path}: {', '.join(bad)} cannot be enforced by a grammar")
+    if any(k in node for k in _BOUNDS):
+        if node.get("type") != "integer":
+            raise GrammarError(f"json_schema{path}: minimum/maximum are enforced on integers only")
+        lo, hi = node.get("minimum"), node.get("maximum")
+        if "exclusiveMinimum" in node:
+            lo = max(v for v in (lo, node["exclusiveMinimum"] + 1) if v is not None)
+        if "exclusiveMaximum" in node:
+            hi = min(v for v in (hi, node["exclusiveMaximum"] - 1) if v is not None)
+        lo = None if lo is None else math.ceil(lo)
+        hi = None if hi is None else math.floor(hi)
+        if lo is not None and hi is not None and lo > hi:
+            raise GrammarError(f"json_schema{path}: no integer lies in [{lo}, {hi}]")
+        ranges.append((lo, hi))
+        return {"const": _MARK.format(len(ranges) - 1)}
+    return {k: _prepare(v, f"{path}.{k}", ranges) for k, v in node.items()}
+
+
+def _digits_upto(lo: str, hi: str) -> str:
+    """Same-length digit strings from lo to hi, as a GBNF alternation (no sign)."""
+    if not lo:
+        return '""'
+    if lo == hi:
+        return f'"{lo}"'
+    if lo[0] == hi[0]:
+        return f'"{lo[0]}" ({_digits_upto(lo[1:], hi[1:])})'
+    n = len(lo) - 1
+    parts = [f'"{lo[0]}" ({_digits_upto(lo[1:], "9" * n)})']
+    if int(hi[0]) - int(lo[0]) > 1:
+        middle = f"[{int(lo[0]) + 1}-{int(hi[0]) - 1}]"
+        parts.append(middle + "".join(" [0-9]" for _ in range(n)))
+    parts.append(f'"{hi[0]}" ({_digits_upto("0" * n, hi[1:])})')
+    return " | ".join(parts)
+
+
+def _natural(lo: int, hi: int | None) -> str:
+    """Non-negative integers in [lo, hi] (hi None: unbounded), JSON style (no leading 0)."""
+    parts = []
+    length = len(str(lo))
+    while hi is None or length <= len(str(hi)):
+        first = max(lo, 10 ** (length - 1) if length > 1 else 0)
+        last = 10**length - 1 if hi is None or length < len(str(hi)) else hi
+        if hi is None and first == 10 ** (length - 1) and length > 1:
+            parts.append(f"[1-9] [0-9]{{{length - 1},}}")  # every longer number
+            break
+        if first <= last:
+            parts.append(_digits_upto(str(first), str(last)))
+        length += 1
+        if hi is None and length > len(str(lo)) + 1:
+            parts.append(f"[1-9] [0-9]{{{length - 1},}}")
+            break
+    return " | ".join(f"({p})" for p in parts)
+
+
+def int_range(lo: int | None, hi: int | None) -> str:
+    """A GBNF expression for the JSON integers n with lo <= n <= hi (None: unbounded)."""
+    parts = []
+    if lo is None or lo < 0:  # negatives: "-" and an absolute value in [max(1,-hi), -lo]
+        top = None if lo is None else -lo
+        bottom = 1 if hi is None or hi >= 0 else -hi
+        parts.append(f'"-" ({_natural(bottom, top)})')
+    if hi is None or hi >= 0:
+        parts.append(_natural(max(0, lo) if lo is not None else 0, hi))
+    return " | ".join(f"({p})" for p in parts)
+
+
 def from_schema(schema: Mapping[str, Any]) -> str:
     """GBNF accepting exactly the JSON documents that validate against ``schema``."""
+    ranges: list[tuple[int | None, int | None]] = []
+    prepared = _prepare(schema, "", ranges)
     try:
-        return str(json_schema_to_gbnf(json.dumps(schema)))
+        gbnf = _CHAR_RULE.sub(lambda _: _JSON_CHAR, str(json_schema_to_gbnf(json.dumps(prepared))))
+        for i, (lo, hi) in enumerate(ranges):
+            literal = json.dumps(json.dumps(_MARK.format(i)))  # how the converter wrote it
+            gbnf = gbnf.replace(literal, f"int-range-{i}")
+            gbnf += f"\nint-range-{i} ::= ({int_range(lo, hi)}) space"
+        return gbnf
     except (ValueError, KeyError, TypeError, AssertionError, RecursionError) as exc:
         raise GrammarError(f"json_schema: cannot be turned into a grammar: {exc}") from exc
     except NotImplementedError as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from polykv_api.models import PoolList, PoolRef, PoolSession, PoolStatus
+from polykv_engine.kv.cells import KVModel
 from polykv_engine.policy.tps import ActiveRates, active_rates
 from polykv_engine.pools.manager import AttachedSlot, PoolManager
 from polykv_engine.pools.tree import Pool
@@ -38,12 +39,15 @@ def render(
     owned = model.owners(order)
     bpt = pools.bpt
 
+    slot_seqs = [s.slot_id for s in slots]
+
     def session(s: AttachedSlot, pool: Pool | None) -> PoolSession:
         shared = (
             model.common_cells(s.slot_id, pool.seq_id)
             if pool is not None and pool.seq_id is not None
             else 0
         )
+        implicit = model.shared_with(s.slot_id, slot_seqs)
         return PoolSession(
             session_id=s.session_id,
             slot=s.slot_id,
@@ -51,7 +55,9 @@ def render(
             suffix_n_tokens=s.ctx_used - shared,
             marginal_kv_bytes=owned.get(("slot", s.slot_id), 0) * bpt,
             tps_ewma=s.tps_ewma,
+            ttft_ms=s.ttft_ms,
             state=s.state,
+            implicit_shared_tokens=implicit,
         )
 
     statuses: dict[int, PoolStatus] = {}
@@ -109,6 +115,7 @@ def render(
         kv_bytes_per_token=bpt,
         kv_bytes_used=model.used * bpt,
         unpooled_sessions=unpooled,
+        implicit_shared_cells=len(_cells_of_many(model, slot_seqs)),
         kv_cells_measured=measured,
         n_active=everyone.n_active,
         n_warming=everyone.n_warming,
@@ -132,3 +139,13 @@ def path_of(pools: PoolManager, pool: Pool) -> str:
         pool = pools.tree.pools[pool.parent_id]
         parts.append(pool.label)
     return "/".join(reversed(parts))
+
+
+def _cells_of_many(model: KVModel, seqs: list[int]) -> set[int]:
+    """Cells held by two or more of ``seqs`` (sessions sharing without a pool)."""
+    seen: set[int] = set()
+    many: set[int] = set()
+    for seq in seqs:
+        for c in set(model.cells(seq)):
+            (many if c in seen else seen).add(c)
+    return many

@@ -185,6 +185,44 @@ def test_failing_liveness_probe_restarts_the_container(
     assert "Liveness probe failed" in last["message"]
 
 
+def test_a_pod_talks_to_the_api_server_as_its_service_account(
+    k8s_cluster: ControlPlane, process_node: ProcessNode, namespace: str
+) -> None:
+    """What the kubelet's token mount gives a container: a KUBECONFIG holding a token bound
+    to the pod, for the pod's ServiceAccount (so RBAC applies to it). A pod that opts out
+    gets none."""
+    api = k8s_cluster.api
+    ns_api = f"/api/v1/namespaces/{namespace}"
+    api.create(f"{ns_api}/serviceaccounts", {"metadata": {"name": "robot"}})
+    for name, automount in (("with-token", True), ("without-token", False)):
+        pod: Obj = {
+            "metadata": {"name": name},
+            "spec": {
+                "serviceAccountName": "robot",
+                "automountServiceAccountToken": automount,
+                "containers": [web_container()],
+            },
+        }
+        api.create(f"{ns_api}/pods", pod)
+    got = eventually("pod Ready", lambda: fetch_if(api, f"{ns_api}/pods/with-token", is_ready))
+    kubeconfig = Path(served(got["status"]["podIP"], "/env/KUBECONFIG")["value"])
+    token = (kubeconfig.parent / "token").read_text()
+    review = httpx.post(
+        f"{k8s_cluster.credentials.server}/apis/authentication.k8s.io/v1/selfsubjectreviews",
+        json={"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
+        headers={"Authorization": f"Bearer {token}"},
+        verify=str(k8s_cluster.credentials.ca_file),
+        timeout=10,
+    ).json()
+    user = review["status"]["userInfo"]
+    assert user["username"] == f"system:serviceaccount:{namespace}:robot"
+    assert user["extra"]["authentication.kubernetes.io/pod-name"] == ["with-token"]
+
+    other = eventually("pod Ready", lambda: fetch_if(api, f"{ns_api}/pods/without-token", is_ready))
+    r = httpx.get(f"http://{other['status']['podIP']}:8080/env/KUBECONFIG", timeout=5)
+    assert r.status_code == 404
+
+
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 

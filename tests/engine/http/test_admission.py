@@ -310,3 +310,43 @@ def test_pool_session_past_the_context_stops_cleanly_and_the_pool_survives(
         c.delete("/polykv/pools/wall")
         r = complete(c, [256, 5, 6, 7], 700, ignore_eos=True)
         assert r.json()["truncated"] is False and r.json()["tokens_predicted"] == 700
+
+
+def test_a_released_pools_series_disappear_from_metrics(ac: httpx.Client) -> None:
+    prompt = saturated_pool(ac, "ephemeral", mode="advisory")
+    complete(ac, prompt + [7], 2, pool_id="ephemeral", session_id="eph-1")
+    assert _metric(ac, "polykv_pool_queries_total", pool="ephemeral") >= 1
+    assert _metric(ac, "polykv_pool_sessions", pool="ephemeral") == 1
+    assert ac.delete("/polykv/pools/ephemeral", headers=ADMIN).status_code == 200
+
+    def gone() -> bool:
+        text = ac.get("/metrics").text
+        return 'pool="ephemeral"' not in text
+
+    wait_for(gone)
+
+
+def test_autoscale_signals_idle_zero_pressure_and_refused_demand(ac: httpx.Client) -> None:
+    def gauge(name: str, **labels: str) -> float:
+        return _metric(ac, name, **labels)
+
+    # Idle: every signal has a value, and it is 0 (an HPA must see "scale down", not nothing).
+    text = ac.get("/metrics").text
+    for name in ("polykv_floor_pressure", "polykv_session_demand_ratio",
+                 "polykv_sessions_active", "polykv_sessions_refused"):  # fmt: skip
+        assert f"\n{name} 0.0" in text, name
+    prompt = saturated_pool(ac, "scale")
+    with Load(ac, "scale", prompt, ["scale-a"]):
+        wait_for(settled_and_active(ac, "scale"))
+        # An unreachable floor: the measured session runs under it.
+        assert gauge("polykv_floor_pressure") > 1
+        assert gauge("polykv_pool_active_sessions", pool="scale") == 1
+        assert gauge("polykv_pool_floor_tps", pool="scale") == UNREACHABLE
+        tps_sum = gauge("polykv_pool_active_tps_sum", pool="scale")
+        assert gauge("polykv_floor_pressure") == pytest.approx(UNREACHABLE / tps_sum, rel=0.3)
+        for i in range(3):
+            r = complete(ac, prompt + [500 + i], 4, pool_id="scale", session_id=f"scale-new-{i}")
+            assert r.status_code == 429
+        assert gauge("polykv_sessions_refused") == 3
+        assert gauge("polykv_pool_refused_sessions", pool="scale") == 3
+        assert gauge("polykv_session_demand_ratio") > gauge("polykv_sessions_active") / 8

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import pytest
 
 from polykv_engine.testing import EngineProcess
 
@@ -157,3 +158,37 @@ def test_info_routes(client: httpx.Client) -> None:
     slots = client.get("/slots").json()
     assert [s["id"] for s in slots] == [0, 1, 2, 3]
     assert all("tps_ewma" in s for s in slots)
+
+
+def test_session_signals_travel_in_headers_stream_and_not(client: httpx.Client) -> None:
+    """x-session-tps, x-polykv-ctx-headroom and x-polykv-compaction-pressure on every response
+    (the first SSE response too): clients that drop unknown body fields still see them."""
+    body = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 24,
+            "temperature": 0, "session_id": "signals-1"}  # fmt: skip
+    first = client.post("/v1/chat/completions", json=body)
+    assert first.status_code == 200
+    tps = float(first.headers["x-session-tps"])
+    assert tps > 0  # the turn just measured
+    headroom = int(first.headers["x-polykv-ctx-headroom"])
+    n_ctx = client.get("/props").json()["default_generation_settings"]["n_ctx"]
+    # the slot holds the prompt and every decoded token (the last sampled one is not in KV)
+    assert n_ctx - first.json()["usage"]["total_tokens"] <= headroom < n_ctx
+    assert 0.0 <= float(first.headers["x-polykv-compaction-pressure"]) <= 1.0
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        # At the start of a stream: the session's rate at the end of its previous turn.
+        assert float(r.headers["x-session-tps"]) == pytest.approx(tps, rel=1e-2)
+        assert int(r.headers["x-polykv-ctx-headroom"]) > 0
+        assert "x-polykv-compaction-pressure" in r.headers
+        r.read()
+
+
+def test_sessions_report_time_to_first_token(client: httpx.Client) -> None:
+    client.post("/polykv/pools", json={"prompt": "ttft pool prefix", "name": "ttft"})
+    r = client.post(
+        "/completion", json=greedy("ttft pool prefix and more", 2, pool_id="ttft", session_id="t1")
+    )
+    assert r.status_code == 200
+    pool = client.get("/polykv/pools/ttft").json()
+    (session,) = pool["sessions"]
+    assert session["ttft_ms"] is not None and session["ttft_ms"] > 0

@@ -171,3 +171,67 @@ def test_admin_key_from_file_and_environment(
         assert c.post("/polykv/pools", json=body, headers={"X-Api-Key": "infer"}).status_code == 403
         r = c.post("/polykv/pools", json=body, headers={"X-Api-Key": "from-file"})
         assert r.status_code == 201, r.text
+
+
+def test_admin_key_alone_leaves_inference_open_and_pools_guarded(
+    start_engine: Callable[..., EngineProcess],
+) -> None:
+    """A PolyKVEngine without apiKeySecretRef: agents need no key, pool management does."""
+    eng = start_engine("--polykv-admin-key", "admin-only")
+    with httpx.Client(base_url=eng.base_url, timeout=30) as c:
+        assert c.post("/completion", json=greedy("x", n=1)).status_code == 200
+        assert c.get("/polykv/pools").status_code == 200
+        assert_error(c.post("/polykv/pools", json={"prompt": "p"}), 401, "authentication_error")
+        assert_error(c.post("/slots/0?action=erase"), 401, "authentication_error")
+        ok = c.post("/polykv/pools", json={"prompt": "p"}, headers={"X-Api-Key": "admin-only"})
+        assert ok.status_code == 201, ok.text
+
+
+JSON_ROUTES = ["/completion", "/v1/completions", "/v1/chat/completions", "/tokenize",
+               "/detokenize", "/polykv/pools"]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", JSON_ROUTES)
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_that_is_not_json_is_415(client: httpx.Client, path: str, ctype: str) -> None:
+    r = client.post(path, content=b'{"prompt": "x"}', headers={"Content-Type": ctype})
+    assert_error(r, 415, "invalid_request_error", ctype, "application/json")
+    assert r.json()["error"]["reason"] == "unsupported_media_type"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/polykv/pools", {"prompt": "a", "nmae": "typo"}, "nmae"),
+        ("/polykv/pools/strict-root/fork", {"prompt": "a b", "branchpos": 1}, "branchpos"),
+        ("/polykv/pools/strict-root/admission", {"target_tps_per_session": 5, "mod": "x"}, "mod"),
+        ("/tokenize", {"content": "a", "add_bos": True}, "add_bos"),
+        ("/detokenize", {"tokens": [1], "special": True}, "special"),
+    ],
+)
+def test_control_routes_refuse_unknown_fields_and_change_nothing(
+    client: httpx.Client, path: str, body: dict[str, object], field: str
+) -> None:
+    client.post("/polykv/pools", json={"prompt": "strict root", "name": "strict-root"})
+    before = client.get("/polykv/pools").json()["pools"]
+    r = client.post(path, json=body)
+    assert_error(r, 400, "invalid_request_error", field)
+    assert r.json()["error"]["reason"] == "unknown_fields"
+    after = client.get("/polykv/pools").json()["pools"]
+    assert [(p["name"], p["admission"]) for p in after] == [
+        (p["name"], p["admission"]) for p in before
+    ]
+
+
+def test_client_text_never_reaches_a_header_raw(client: httpx.Client) -> None:
+    """Found by fuzzing: an unknown field named with a control character used to be echoed
+    into X-PolyKV-Ignored-Fields and crash the response (header injection guard)."""
+    r = client.post("/completion", json={"\x1c\nX-Evil: 1": 1, "prompt": "x", "n_predict": 1})
+    assert r.status_code == 200
+    assert r.headers[IGNORED] == "%1C%0AX-Evil%3A%201" and "X-Evil" not in r.headers
+    for bad in ("a\nb", "tab\there", "with space", "é", "x" * 257):
+        r = client.post("/completion", json={"prompt": "x", "n_predict": 1, "session_id": bad})
+        assert_error(r, 400, "invalid_request_error", "session_id")
+
+
+IGNORED = "X-PolyKV-Ignored-Fields"

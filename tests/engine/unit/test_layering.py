@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[3] / "engine_image"
 RANKS = {
     "polykv_api": 0,
     "polykv_engine.tokens": 0,
+    "polykv_engine.ids": 0,
     "polykv_engine.llama": 1,
     "polykv_engine.policy": 1,
     "polykv_engine.kv": 2,

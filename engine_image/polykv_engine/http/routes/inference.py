@@ -10,11 +10,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from typing import Any
+from urllib.parse import quote
 
 from aiohttp import web
 
 from polykv_api.models import (
+    SESSION_ID_PATTERN,
+    ApplyTemplateRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -36,6 +40,7 @@ from polykv_engine.core.tasks import (
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.errors import ApiError, parse
 from polykv_engine.http.responses import Logprobs, ResponseBuilder
+from polykv_engine.ids import decimal
 from polykv_engine.llama.grammar import ANY_JSON_OBJECT, Grammar, GrammarError
 from polykv_engine.llama.grammar import from_schema as grammar_from_schema
 from polykv_engine.llama.sampling import SamplingParams, StopParams
@@ -43,6 +48,7 @@ from polykv_engine.llama.sampling import SamplingParams, StopParams
 log = logging.getLogger("polykv.http")
 
 IGNORED_HEADER = "X-PolyKV-Ignored-Fields"
+SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
 REHOMED_HEADER = "x-polykv-rehomed"  # set by polykv-router on a continuation it moved here
 
 
@@ -100,8 +106,8 @@ def _task_from(
     preserved: frozenset[int] = frozenset(),
 ) -> GenerateTask:
     session = req.session_id or request.headers.get("x-session-id") or None
-    if session is not None and len(session) > 256:
-        raise ApiError(400, "x-session-id: at most 256 characters")
+    if session is not None and not SESSION_ID_RE.fullmatch(session):
+        raise ApiError(400, "x-session-id: 1-256 visible ASCII characters (no spaces)")
     return GenerateTask(
         prompt=prompt,
         sampling=_sampling(req, grammar),
@@ -119,19 +125,35 @@ def _task_from(
 
 def _pool_ref(req: SamplingFields) -> PoolRef | None:
     ref = req.pool_ref()
-    if isinstance(ref, str) and ref.isdigit():
-        return int(ref)
+    if isinstance(ref, str) and (number := decimal(ref)) is not None:
+        return number
     if req.shared_prefix_n_tokens is not None and ref is None:
         raise ApiError(400, "shared_prefix_n_tokens needs pool_id (or shared_pool_slot)")
     return ref
 
 
-def _headers(req: SamplingFields, task: GenerateTask) -> dict[str, str]:
-    """Known once the task holds a slot: its first event has arrived."""
+def _headers(
+    ctx: AppContext,
+    req: SamplingFields,
+    task: GenerateTask,
+    result: GenerationResult | None = None,
+) -> dict[str, str]:
+    """Known once the task holds a slot: its first event has arrived. The PolyKV signals
+    travel as headers because OpenAI clients (ChatOpenAI among them) drop body fields they
+    do not know: at the start of a stream they describe the session before this turn."""
     headers: dict[str, str] = {}
+    snap = ctx.engine.snapshot
+    if 0 <= task.slot_id < len(snap.slots):
+        slot = snap.slots[task.slot_id]
+        tps = result.tps_ewma if result is not None else task.prev_tps
+        headers["x-session-tps"] = f"{tps:.2f}"
+        headers["x-polykv-ctx-headroom"] = str(max(0, slot.n_ctx - slot.ctx_used))
+        assert ctx.gate is not None
+        pressure = ctx.gate.compaction_pressure(snap.pool(task.pool.pool_id) if task.pool else None)
+        headers["x-polykv-compaction-pressure"] = f"{pressure:.3f}"
     ignored = req.ignored_fields()
-    if ignored:
-        headers[IGNORED_HEADER] = ",".join(ignored)
+    if ignored:  # names come from the client: percent-encoded, never raw into a header
+        headers[IGNORED_HEADER] = ",".join(quote(name, safe="") for name in ignored)
     if task.session_id:
         headers["x-session-id"] = task.session_id
     if task.pool is not None:
@@ -156,17 +178,31 @@ async def _run(
             503, "server is shutting down", headers={"Retry-After": "5"}, reason="shutting_down"
         )
     assert ctx.gate is not None
+    if ctx.engine.snapshot.n_waiting >= ctx.engine.cfg.max_queue:
+        ctx.gate.record_refusal(task, None)
+        raise ApiError(
+            503,
+            f"the engine queue is full ({ctx.engine.cfg.max_queue} requests wait for a slot)",
+            headers={"Retry-After": "2"},
+            reason="queue_full",
+        )
     rehomed = request.headers.get(REHOMED_HEADER, "") in ("1", "true")
     extra_headers = await ctx.gate.admit(task, req.overcommit, rehomed)
     ctx.engine.submit(task)
     done = False
     try:
         if req.stream:
-            resp = await _stream(request, req, task, sink, builder, include_usage, extra_headers)
+            resp = await _stream(
+                request, ctx, req, task, sink, builder, include_usage, extra_headers
+            )
         else:
-            resp = await _whole(req, task, sink, builder, extra_headers)
+            resp = await _whole(ctx, req, task, sink, builder, extra_headers)
         done = True
         return resp
+    except ApiError as exc:
+        if exc.reason == "queue_full":  # turned away: demand the autoscaler must see
+            ctx.gate.record_refusal(task, None)
+        raise
     finally:
         ctx.gate.finished(task)
         if not done:
@@ -175,6 +211,7 @@ async def _run(
 
 
 async def _whole(
+    ctx: AppContext,
     req: SamplingFields,
     task: GenerateTask,
     sink: QueueSink,
@@ -189,10 +226,15 @@ async def _whole(
         elif isinstance(ev, DoneEvent):
             return web.json_response(
                 builder.final(ev.result, events),
-                headers={**_headers(req, task), **extra_headers},
+                headers={**_headers(ctx, req, task, ev.result), **extra_headers},
             )
         else:
-            raise ApiError(ev.status, ev.message, ev.type, reason=ev.reason)
+            raise _api_error(ev)
+
+
+def _api_error(ev: ErrorEvent) -> ApiError:
+    headers = {"Retry-After": str(ev.retry_after)} if ev.retry_after is not None else None
+    return ApiError(ev.status, ev.message, ev.type, headers=headers, reason=ev.reason)
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -202,6 +244,7 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 
 async def _stream(
     request: web.Request,
+    ctx: AppContext,
     req: SamplingFields,
     task: GenerateTask,
     sink: QueueSink,
@@ -211,39 +254,52 @@ async def _stream(
 ) -> web.StreamResponse:
     # Wait for the first event before sending headers, so an error before any token
     # (e.g. a full KV cache) is still a proper HTTP status instead of an SSE error event.
-    first = await sink.queue.get()
+    # A request still queued after a ping interval gets its headers and keep-alives instead.
+    settings = ctx.settings
+    try:
+        first: Event | None = await asyncio.wait_for(sink.queue.get(), settings.sse_ping_interval_s)
+    except TimeoutError:
+        first = None
     if isinstance(first, ErrorEvent):
-        raise ApiError(first.status, first.message, first.type, reason=first.reason)
+        raise _api_error(first)
     resp = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
-            **_headers(req, task),
+            **_headers(ctx, req, task),
             **extra_headers,
         }
     )
     await resp.prepare(request)
-    ev: Event = first
+
+    async def send(data: bytes) -> None:
+        # A peer that stopped reading (half-open, gone) blocks the write: give up on it.
+        await asyncio.wait_for(resp.write(data), settings.write_timeout_s)
+
+    ev: Event | None = first
     result: GenerationResult | None = None
     while True:
-        if isinstance(ev, TokenEvent):
+        if ev is None:
+            await send(b": keep-alive\n\n")
+        elif isinstance(ev, TokenEvent):
             for chunk in builder.chunks(ev):
-                await resp.write(_sse(chunk))
+                await send(_sse(chunk))
         elif isinstance(ev, DoneEvent):
             result = ev.result
             for final in builder.stream_final(result):
-                await resp.write(_sse(final))
+                await send(_sse(final))
             break
         else:
-            await resp.write(
-                _sse(ApiError(ev.status, ev.message, ev.type, reason=ev.reason).body())
-            )
+            await send(_sse(_api_error(ev).body()))
             break
-        ev = await sink.queue.get()
+        try:
+            ev = await asyncio.wait_for(sink.queue.get(), settings.sse_ping_interval_s)
+        except TimeoutError:
+            ev = None
     if builder.route != "completion":
         if include_usage and result is not None:
-            await resp.write(_sse(builder.usage_chunk(result)))
-        await resp.write(_sse("[DONE]"))
+            await send(_sse(builder.usage_chunk(result)))
+        await send(_sse("[DONE]"))
     await resp.write_eof()
     return resp
 
@@ -294,12 +350,8 @@ def _response_format(req: ChatCompletionRequest) -> Grammar | None:
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
-    if fmt.type == "json_schema":
-        assert fmt.json_schema is not None
-        return _schema_grammar(fmt.json_schema.schema_, "response_format.json_schema.schema")
-    if fmt.schema_ is not None:
-        return _schema_grammar(fmt.schema_, "response_format.schema")
-    return Grammar(ANY_JSON_OBJECT)
+    schema, field = fmt.schema_field()
+    return Grammar(ANY_JSON_OBJECT) if schema is None else _schema_grammar(schema, field)
 
 
 async def oai_chat(request: web.Request) -> web.StreamResponse:
@@ -335,6 +387,14 @@ async def oai_chat(request: web.Request) -> web.StreamResponse:
     return await _run(request, ctx, req, task, sink, builder, usage)
 
 
+async def apply_template(request: web.Request) -> web.Response:
+    """llama-server's ``/apply-template``: the prompt a chat request would be given."""
+    ctx = ctx_of(request)
+    req = await parse(request, ApplyTemplateRequest)
+    text = ctx.render_messages(req.messages, req.tools, True, req.chat_template_kwargs)
+    return web.json_response({"prompt": text})
+
+
 async def tokenize(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     req = await parse(request, TokenizeRequest)
@@ -367,5 +427,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", oai_completion)
     for path in ("/v1/chat/completions", "/chat/completions"):
         app.router.add_post(path, oai_chat)
+    app.router.add_post("/apply-template", apply_template)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)

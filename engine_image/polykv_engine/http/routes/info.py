@@ -16,6 +16,7 @@ from polykv_engine.core.snapshot import EngineSnapshot
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.errors import ApiError
 from polykv_engine.http.metrics import PoolGauges
+from polykv_engine.ids import decimal
 
 METRICS_REGISTRY = web.AppKey("metrics_registry", object)
 
@@ -90,16 +91,37 @@ async def props(request: web.Request) -> web.Response:
 
 
 async def slots(request: web.Request) -> web.Response:
+    """llama-server's /slots (the running or last request's figures and settings; no
+    prompt text), plus PolyKV's session, pool and tps fields."""
     ctx = ctx_of(request)
     ctx.require_ready()
+    snap = ctx.engine.snapshot
+    if request.query.get("fail_on_no_slot") in ("1", "true") and all(
+        s.processing for s in snap.slots
+    ):
+        raise ApiError(503, "no slot available", reason="queue_full", headers={"Retry-After": "1"})
     out = []
-    for s in ctx.engine.snapshot.slots:
+    for s in snap.slots:
+        task = s.task_id if s.task_id is not None else s.last_task_id
         out.append(
             {
                 "id": s.slot_id,
-                "id_task": s.task_id if s.task_id is not None else -1,
+                "id_task": task,
                 "n_ctx": s.n_ctx,
+                "speculative": False,
                 "is_processing": s.processing,
+                "n_prompt_tokens": s.n_prompt,
+                "n_prompt_tokens_processed": s.n_prompt - s.n_cached,
+                "n_prompt_tokens_cache": s.n_cached,
+                "params": s.params,
+                "next_token": [
+                    {
+                        "has_next_token": s.processing,
+                        "has_new_line": False,
+                        "n_remain": s.n_remain,
+                        "n_decoded": s.n_decoded,
+                    }
+                ],
                 "state": s.state,
                 "session_id": s.session_id,
                 "pool_id": s.pool_id,
@@ -107,11 +129,7 @@ async def slots(request: web.Request) -> web.Response:
                 "warming": s.warming and s.processing,
                 "ctx_used": s.ctx_used,
                 "ctx_headroom_tokens": s.n_ctx - s.ctx_used,
-                "next_token": {
-                    "has_next_token": s.processing,
-                    "n_remain": s.n_remain,
-                    "n_decoded": s.n_decoded,
-                },
+                "ttft_ms": s.ttft_ms,
             }
         )
     return web.json_response(out)
@@ -179,9 +197,10 @@ async def polykv_tps(request: web.Request) -> web.StreamResponse:
     interval_ms = ctx.settings.tps_stream_interval_ms
     raw = request.query.get("interval_ms")
     if raw is not None:
-        if not raw.isdigit() or not 50 <= int(raw) <= 60_000:
+        value = decimal(raw)
+        if value is None or not 50 <= value <= 60_000:
             raise ApiError(400, "interval_ms: an integer between 50 and 60000")
-        interval_ms = int(raw)
+        interval_ms = value
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -212,6 +231,10 @@ async def _pool_gauges(ctx: AppContext) -> list[PoolGauges]:
                 gen_throughput_tps=sum(decoding),
                 mean_active_tps=p.mean_active_tps,
                 compaction_pressure=pressure,
+                active_sessions=p.n_active,
+                active_tps_sum=p.active_tps_sum,
+                floor_tps=p.admission.target_tps_per_session if p.admission else 0.0,
+                refused_sessions=ctx.gate.refused_recently(p.name or str(p.pool_id)),
             )
         )
     return rows
@@ -221,8 +244,8 @@ async def metrics(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     if not ctx.settings.metrics:
         raise ApiError(501, "metrics are disabled; start the engine with --metrics")
-    if ctx.engine.ready and ctx.engine.snapshot.pools:
-        ctx.pool_gauges = await _pool_gauges(ctx)
+    if ctx.engine.ready:  # refreshed even when empty: released pools' gauges disappear
+        ctx.pool_gauges = await _pool_gauges(ctx) if ctx.engine.snapshot.pools else []
     registry: Any = request.app[METRICS_REGISTRY]
     body = generate_latest(registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

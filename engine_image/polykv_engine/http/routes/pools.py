@@ -18,16 +18,19 @@ from polykv_api.models import (
     CapacitySummary,
     PoolCreated,
     PoolCreateRequest,
+    PoolDetail,
     PoolForkRequest,
     PoolList,
     PoolPrefix,
     PoolRef,
+    PoolReleased,
 )
 from polykv_engine.core import pool_ops
 from polykv_engine.core.engine import Engine
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.auth import require_admin
 from polykv_engine.http.errors import ApiError, parse
+from polykv_engine.ids import decimal
 from polykv_engine.pools.manager import PoolSpec
 from polykv_engine.pools.tree import Pool, PoolError, validate_name
 
@@ -52,6 +55,11 @@ async def pool_listing(ctx: AppContext, ref: PoolRef | None = None) -> PoolList:
     listing = await on_engine(ctx, lambda e: pool_ops.listing(e, ctx.boot_id, ref))
     snap = ctx.engine.snapshot
     assert ctx.gate is not None
+    pressure, active, refused, headroom = ctx.gate.autoscale()
+    listing.floor_pressure = pressure
+    listing.sessions_active = active
+    listing.sessions_refused = refused
+    listing.sessions_headroom = headroom
     for status in listing.pools:
         pool = snap.pool(status.pool_id)
         if pool is None:
@@ -70,7 +78,8 @@ async def pool_listing(ctx: AppContext, ref: PoolRef | None = None) -> PoolList:
 
 def _ref(request: web.Request) -> PoolRef:
     raw = request.match_info["pool"]
-    return int(raw) if raw.isdigit() else raw
+    number = decimal(raw)
+    return number if number is not None else raw
 
 
 def _prefix_tokens(ctx: AppContext, req: PoolPrefix) -> list[int] | None:
@@ -163,7 +172,7 @@ async def release_pool(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     ref = _ref(request)
     pool_id = await on_engine(ctx, lambda e: pool_ops.release(e, ref))
-    return web.json_response({"released": pool_id, "boot_id": ctx.boot_id})
+    return web.json_response(PoolReleased(released=pool_id, boot_id=ctx.boot_id).model_dump())
 
 
 async def list_pools(request: web.Request) -> web.Response:
@@ -176,10 +185,10 @@ async def get_pool(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     ref = _ref(request)
     listing = await pool_listing(ctx, ref)
-    body = listing.pools[0].model_dump()
-    body["descendants"] = [p.model_dump() for p in listing.pools[1:]]
-    body["boot_id"] = ctx.boot_id
-    return web.json_response(body)
+    body = PoolDetail(
+        **listing.pools[0].model_dump(), descendants=listing.pools[1:], boot_id=ctx.boot_id
+    )
+    return web.json_response(body.model_dump())
 
 
 async def _apply_admission(request: web.Request, policy: AdmissionPolicy | None) -> web.Response:
@@ -204,9 +213,10 @@ def _int_query(request: web.Request, name: str) -> int | None:
     raw = request.query.get(name)
     if raw is None:
         return None
-    if not raw.isdigit() or int(raw) < 1:
+    value = decimal(raw)
+    if value is None or value < 1:
         raise ApiError(400, f"{name}: a positive integer, got {raw!r}")
-    return int(raw)
+    return value
 
 
 async def get_capacity(request: web.Request) -> web.Response:
@@ -236,7 +246,7 @@ async def slot_action(request: web.Request) -> web.Response:
     require_admin(request)
     ctx = ctx_of(request)
     raw = request.match_info["slot"]
-    if not raw.isdigit():
+    if decimal(raw) is None:
         raise ApiError(400, f"slot id must be an integer, got {raw!r}")
     action = request.query.get("action")
     if action != "erase":
