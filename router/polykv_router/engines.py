@@ -1,6 +1,11 @@
 """The router's own questions to one engine replica (never a client's request): its boot
 id, a pool's capacity, whether it holds a session. Answers are parsed with the engine's wire
-contract (``polykv_api.models``)."""
+contract (``polykv_api.models``).
+
+Not ``polykv_client``: the session lookup runs on the request path of every new session,
+and over the router's aiohttp connections it costs about 0.2 ms a call here against 0.55 ms
+for httpx (measured on the development machine); the three reads need no more than this.
+"""
 
 from __future__ import annotations
 
