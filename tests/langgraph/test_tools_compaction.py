@@ -34,7 +34,8 @@ def test_an_agent_forks_a_pool_through_toolnode(smol: EngineProcess, pools: Poly
     tree = PoolTree(pools)
     tree.root("crew", CREW)
     tools = pool_tools(tree, pools=["crew"])
-    llm = PolyKVChatModel(base_url=smol.base_url, temperature=0, max_tokens=96, pool_id="crew")
+    # Room for a chatty description argument: a call cut by max_tokens is an invalid call.
+    llm = PolyKVChatModel(base_url=smol.base_url, temperature=0, max_tokens=256, pool_id="crew")
     caller = llm.bind_tools(tools, tool_choice="fork_pool", parallel_tool_calls=False)
 
     def agent(state: PolyKVState) -> dict[str, Any]:

@@ -34,31 +34,38 @@ def tame(body: Any) -> None:
         body.pop("stream", None)
 
 
+def _fuzz_one(
+    op: Any, engine: EngineProcess, mode: GenerationMode, examples: int, seen: dict[str, int]
+) -> None:
+    label = op.label
+
+    @given(case=op.as_strategy(generation_mode=mode))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    def run(case: Any) -> None:
+        tame(case.body)
+        resp = case.call(base_url=engine.base_url, timeout=60)
+        status = resp.status_code
+        seen[f"{label} {status}"] = seen.get(f"{label} {status}", 0) + 1
+        assert status < 500 or status == 501, f"{label}: {status} {resp.text[:300]}"
+        # Cross-field rules (exactly one prefix source, tools with messages, ...) are not
+        # expressible in the schema: "schema-valid" bodies may rightly get a 400.
+        case.validate_response(resp, excluded_checks=[positive_data_acceptance])
+
+    run()
+
+
 def fuzz(engine: EngineProcess, mode: GenerationMode, examples: int) -> dict[str, int]:
     schema = schemathesis.openapi.from_path(str(DOC))
     seen: dict[str, int] = {}
     for result in schema.get_all_operations():
         op = result.ok()
-
-        @given(case=op.as_strategy(generation_mode=mode))
-        @settings(
-            max_examples=examples,
-            deadline=None,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        )
-        def run(case: Any, label: str = op.label) -> None:
-            tame(case.body)
-            resp = case.call(base_url=engine.base_url, timeout=60)
-            status = resp.status_code
-            seen[f"{label} {status}"] = seen.get(f"{label} {status}", 0) + 1
-            assert status < 500 or status == 501, f"{label}: {status} {resp.text[:300]}"
-            # Cross-field rules (exactly one prefix source, tools with messages, ...) are not
-            # expressible in the schema: "schema-valid" bodies may rightly get a 400.
-            case.validate_response(resp, excluded_checks=[positive_data_acceptance])
-
         try:
-            run()
+            _fuzz_one(op, engine, mode, examples, seen)
         except Unsatisfiable:
             # An operation with nothing to get wrong (no body, no parameters) has no
             # negative cases to generate.
