@@ -184,6 +184,7 @@ ERRORS: dict[wire.Reason, type[PolyKVError]] = {
     "settling": PoolSaturated,
     "kv_full": EngineUnavailable,
     "queue_full": EngineUnavailable,
+    "no_replica": EngineUnavailable,
     "loading": EngineUnavailable,
     "shutting_down": EngineUnavailable,
     "decode_failed": EngineUnavailable,

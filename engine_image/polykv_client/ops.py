@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -227,7 +228,7 @@ def tps() -> Op[wire.TpsSnapshot]:
 
 def session(session_id: str) -> Op[wire.SessionInfo]:
     """Where a session lives on this engine (``SessionNotFound`` when it holds none)."""
-    resp = yield Call("GET", f"/polykv/sessions/{session_id}")
+    resp = yield Call("GET", f"/polykv/sessions/{quote(session_id, safe='')}")
     return parse(resp, wire.SessionInfo)
 
 

@@ -296,17 +296,10 @@ def _token_volume() -> Obj:
 def router_deployment(engine: str, spec: PolyKVEngineSpec) -> Obj:
     router = spec.router or RouterSpec()
     name = router_name(engine)
-    # The router's own reads (capacity, boot id, where a session is) need a key: the API key
-    # when the engine has one; else the engine accepts only its admin key on every route but
-    # /health and /metrics. Clients' requests carry their own key through the router.
-    key = _api_key_env(spec, ROUTER_API_KEY_ENV) or [
-        {
-            "name": ROUTER_API_KEY_ENV,
-            "valueFrom": {
-                "secretKeyRef": {"name": admin_secret_name(engine), "key": ADMIN_SECRET_KEY}
-            },
-        }
-    ]
+    # The router's own reads (capacity, boot id, where a session is) are read-only routes:
+    # they need the API key when the engine has one, and no key otherwise. The router never
+    # holds the admin key. Clients' requests carry their own key through the router.
+    key = _api_key_env(spec, ROUTER_API_KEY_ENV)
     env: list[Obj] = [
         # Stated although it is the default: a runtime that rewrites mount paths (the local
         # process node) finds the directory through it.
