@@ -405,6 +405,12 @@ class Engine:
             self.slots.forget_kv(slot)
             self.kv.share(pool.seq_id, slot.slot_id, 0, p)
             slot.cache_tokens.extend(prompt[:p])
+        else:
+            # The slot's cache already holds the pool's tokens, in cells it computed itself
+            # (it ran before the pool existed): swap them for the pool's, so the session is
+            # linked to its pool (admission counts it) and its private copy is freed.
+            linked = self.kv.model.common_cells(slot.slot_id, pool.seq_id)
+            self.kv.rebase(pool.seq_id, slot.slot_id, linked, p)
         pool.last_access_ts = time.time()
         return p
 

@@ -45,6 +45,16 @@ class KVCache:
         self.rt.seq_cp(src, dst, p0, p1)
         self.model.copy(src, dst, p0, p1)
 
+    def rebase(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """``dst`` computed positions [p0, p1) itself, for the same tokens ``src`` holds
+        there: drop its own cells and take ``src``'s (its later positions stay put)."""
+        self.version += 1
+        if p1 <= p0:
+            return
+        self.rt.seq_rm(dst, p0, p1)
+        self.rt.seq_cp(src, dst, p0, p1)
+        self.model.replace(src, dst, p0, p1)
+
     def shift(self, seq: int, n_keep: int, n_discard: int) -> None:
         """Context shift: drop [n_keep, n_keep + n_discard) and move the rest down."""
         self.version += 1

@@ -49,6 +49,15 @@ class KVModel:
         dst_cells.extend(shared)
         self._refs.update(shared)
 
+    def replace(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """``dst``'s positions [p0, p1) now hold ``src``'s cells there instead of its own."""
+        dst_cells, src_cells = self._seqs.get(dst, []), self._seqs.get(src, [])
+        if len(dst_cells) < p1 or len(src_cells) < p1:
+            raise ValueError(f"seqs {src} and {dst} must both hold positions [{p0}, {p1})")
+        self._release(dst_cells[p0:p1])
+        dst_cells[p0:p1] = src_cells[p0:p1]
+        self._refs.update(src_cells[p0:p1])
+
     def truncate(self, seq: int, pos: int) -> None:
         """Drop positions >= ``pos`` of ``seq``."""
         cells = self._seqs.get(seq)

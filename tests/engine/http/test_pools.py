@@ -102,6 +102,26 @@ def test_attach_prefills_only_the_suffix(pc: httpx.Client) -> None:
     assert r.status_code == 200
 
 
+def test_a_session_that_cached_the_prefix_first_joins_the_pool(pc: httpx.Client) -> None:
+    prefix = tokenize(pc, SYSTEM)
+    prompt = prefix + tokenize(pc, " my own question", add_special=False)
+    # The session computes the prefix itself, before any pool holds it.
+    first = complete(pc, prompt, 4, session_id="early")
+    assert first.status_code == 200, first.text
+    create(pc, tokens=prefix, name="late-pool")
+    r = complete(pc, prompt, 4, pool_id="late-pool", session_id="early")
+    assert r.status_code == 200, r.text
+    assert r.json()["timings"]["cache_n"] >= len(prefix)  # its own cache still counts
+    assert r.json()["tokens"] == first.json()["tokens"]
+    lst = check_accounting(pc)
+    (pool,) = lst["pools"]
+    (sess,) = pool["sessions"]  # linked to the pool, so admission counts it there
+    assert sess["session_id"] == "early" and sess["shared_prefix_tokens"] == len(prefix)
+    assert lst["unpooled_sessions"] == []
+    # One copy of the prefix (the pool's), not two.
+    assert lst["kv_cells_used"] < 2 * len(prefix)
+
+
 def test_kv_is_stored_once_for_many_sessions(pc: httpx.Client) -> None:
     prefix = tokenize(pc, SYSTEM)
     create(pc, tokens=prefix, name="shared")

@@ -37,3 +37,16 @@ def test_kv_model_rejects_non_contiguous_copy() -> None:
         kv.copy(1, 2, 2, 4)
     kv.remove_range(1, 1, 3)
     assert kv.length(1) == 3 and kv.used == 3
+
+
+def test_kv_model_replace_swaps_own_cells_for_the_sources() -> None:
+    kv = KVModel()
+    kv.append(10, 40)  # a pool computed after the session
+    kv.append(0, 60)  # the session computed the same 40 tokens, then 20 of its own
+    assert kv.used == 100 and kv.common_cells(0, 10) == 0
+    kv.replace(10, 0, 0, 40)
+    assert kv.common_cells(0, 10) == 40 and kv.length(0) == 60
+    assert kv.used == 60  # the session's private copy of the prefix is freed
+    assert kv.owners([("pool", 10, 0), ("s0", 0, 0)]) == {"pool": 40, "s0": 20}
+    with pytest.raises(ValueError):
+        kv.replace(10, 0, 30, 50)  # the pool holds no position 40
