@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the engine and operator images into OCI archives with buildah, on a Debian base
+# Builds the engine, operator and router images into OCI archives with buildah, on a Debian base
 # made by debootstrap from this machine's configured Debian mirror (no container registry
 # needed). Everything is cached under ~/.cache/polykv/images, keyed by a hash of the inputs:
 #
@@ -12,7 +12,9 @@
 #   scripts/build-images.sh --context engine DIR
 #                                      only write engine's build context (wheels + Containerfile)
 #                                      to DIR, to build it elsewhere with docker or podman
-#   scripts/build-images.sh --relock   rewrite the Python locks (engine_image/, operator/)
+#   scripts/build-images.sh --relock [NAME]
+#                                      rewrite the Python locks (engine_image/, operator/,
+#                                      router/), or only NAME's
 #
 # Needs root, buildah and debootstrap (installed with apt-get when missing).
 set -euo pipefail
@@ -26,11 +28,14 @@ SUITE=bookworm
 # Runtime needs of both images: the interpreter, OpenMP for llama.cpp's CPU backends, an
 # init that forwards signals and reaps children. python3.11-venv only serves the build stage.
 PACKAGES=(python3.11 python3.11-venv libgomp1 tini)
-IMAGES=(engine operator)
-declare -A CONTAINERFILE=([engine]=engine_image/Containerfile [operator]=operator/Containerfile)
-declare -A LOCK=([engine]=engine_image/requirements.lock [operator]=operator/requirements.lock)
-declare -A EXTRA=([engine]=engine [operator]=operator)
-declare -A TAG=([engine]="polykv/engine:$VERSION" [operator]="polykv/operator:$VERSION")
+IMAGES=(engine operator router)
+declare -A CONTAINERFILE=([engine]=engine_image/Containerfile [operator]=operator/Containerfile
+  [router]=router/Containerfile)
+declare -A LOCK=([engine]=engine_image/requirements.lock [operator]=operator/requirements.lock
+  [router]=router/requirements.lock)
+declare -A EXTRA=([engine]=engine [operator]=operator [router]=router)
+declare -A TAG=([engine]="polykv/engine:$VERSION" [operator]="polykv/operator:$VERSION"
+  [router]="polykv/router:$VERSION")
 
 log() { printf '[images %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 die() { log "!! $*"; exit 1; }
@@ -152,7 +157,7 @@ write_context() {
 # What changes an image: its base, Containerfile, lock, the llama wheel, our packages.
 # (README.md only becomes the wheel's long description: an edit there rebuilds nothing.)
 SOURCES=(engine_image/polykv_api engine_image/polykv_engine engine_image/polykv_modelgen
-  operator/polykv_operator e2e/polykv_testenv pyproject.toml)
+  operator/polykv_operator router/polykv_router e2e/polykv_testenv pyproject.toml)
 image_key() {
   local name=$1
   {
@@ -208,7 +213,12 @@ main() {
     --relock)
       local w
       w="$(dirname "$(llama_wheel)")"
-      for n in "${IMAGES[@]}"; do relock "$n" "$w" "${LOCK[$n]}"; log "wrote ${LOCK[$n]}"; done
+      local names=("${IMAGES[@]}")
+      if [[ -n ${2:-} ]]; then
+        [[ -n ${LOCK[$2]:-} ]] || die "no image named $2 (one of: ${IMAGES[*]})"
+        names=("$2")
+      fi
+      for n in "${names[@]}"; do relock "$n" "$w" "${LOCK[$n]}"; log "wrote ${LOCK[$n]}"; done
       return
       ;;
     --context)

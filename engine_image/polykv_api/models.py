@@ -175,6 +175,20 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        # Name the unsupported part instead of pydantic's union-by-union complaints.
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(
+                        f"only text content parts are supported (got a {kind!r} part): this "
+                        "engine serves text models"
+                    )
+        return value
+
     def text(self) -> str:
         """The message content as one string (text parts joined)."""
         if self.content is None:

@@ -129,7 +129,8 @@ def values_schema() -> Schema:
     schema = closed(
         {
             "image": closed(
-                {"operator": image(True), "engine": image(False)}, ("operator", "engine")
+                {"operator": image(True), "engine": image(False), "router": image(False)},
+                ("operator", "engine", "router"),
             ),
             "imagePullSecrets": {
                 "type": "array",

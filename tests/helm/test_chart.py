@@ -145,6 +145,40 @@ def test_objects_from_values_with_sync_waves_pdbs_and_policies(tmp_path: Path) -
     assert "--pool=agents/crew/demo" in args and "--engine=agents/demo" in args
 
 
+def test_router_image_and_its_network_policy(tmp_path: Path) -> None:
+    values = json.loads(json.dumps(EXAMPLE_VALUES))
+    values["engines"][0]["spec"]["router"] = {"enabled": True}
+    values["engines"].append(
+        {"name": "own", "spec": {"model": {"path": "/m.gguf"}, "router": {"image": "r/x:1"}}}
+    )
+    values["image"] = {"router": {"repository": "registry.example/polykv/router", "tag": "9"}}
+    docs = render(tmp_path, values)
+    engines = named(docs, "PolyKVEngine")
+    assert engines["demo"]["spec"]["router"]["image"] == "registry.example/polykv/router:9"
+    assert engines["own"]["spec"]["router"]["image"] == "r/x:1"  # the engine's own wins
+    assert "router" not in named(render(tmp_path, EXAMPLE_VALUES), "PolyKVEngine")["demo"]["spec"]
+    policies = {
+        (d["metadata"]["namespace"], d["metadata"]["name"]): d
+        for d in docs
+        if d["kind"] == "NetworkPolicy"
+    }
+    routers = policies[("agents", "rel-polykv-routers")]["spec"]
+    assert routers["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "polykv-router"}}
+    assert routers["ingress"][0]["from"][0]["podSelector"] == {
+        "matchLabels": {"polykv.io/agent": "true"}
+    }
+    to_engines = routers["egress"][0]["to"][0]["podSelector"]["matchLabels"]
+    assert to_engines == {"app.kubernetes.io/name": "polykv-engine"}
+    engines_in = policies[("agents", "rel-polykv-engines")]["spec"]["ingress"][0]["from"]
+    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "polykv-router"}}} in (
+        engines_in
+    )
+    values["image"] = {"router": {"repository": ""}}  # a repository is required
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(values))
+    out = helm("template", "rel", str(CHART), "-f", str(tmp_path / "bad.yaml"), check=False)
+    assert out.returncode != 0 and "at '/image/router/repository'" in out.stderr, out.stderr
+
+
 def test_monitoring_objects_when_their_crds_exist(tmp_path: Path) -> None:
     docs = render(
         tmp_path,

@@ -5,6 +5,8 @@ read-only root, the image's non-root user, its Env, tini as PID 1 (tests/images/
   CPU backend it picked, and exits cleanly on SIGTERM sent to PID 1 (signals reach it);
 - operator: the entrypoint answers --help, the chart's hook module and the operator's
   handlers import, and nothing writes to the read-only root;
+- router: the entrypoint routes a completion to the engine image's container, turns ready
+  once it sees that replica, and exits cleanly on SIGTERM;
 - both: OCI labels and annotations, versions pinned (the Python locks), non-root user.
 """
 
@@ -61,6 +63,11 @@ def operator_image(built: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     return unpack(built["operator"], tmp_path_factory.mktemp("operator"))
 
 
+@pytest.fixture(scope="module")
+def router_image(built: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Image:
+    return unpack(built["router"], tmp_path_factory.mktemp("router"))
+
+
 @pytest.fixture
 def engine(engine_image: Image, test_model: Path, tmp_path: Path) -> Iterator[Container]:
     port = free_port()
@@ -82,19 +89,22 @@ def engine(engine_image: Image, test_model: Path, tmp_path: Path) -> Iterator[Co
         print((tmp_path / "engine.log").read_text(errors="replace")[-3000:])
 
 
-def test_engine_image_serves_health_and_stops_on_sigterm(engine: Container, tmp_path: Path) -> None:
-    port = engine.port  # type: ignore[attr-defined]
-    assert engine.proc is not None
-
-    def healthy() -> bool | None:
-        assert engine.proc is not None and engine.proc.poll() is None, "engine exited"
+def wait_serving(c: Container, what: str, url: str) -> None:
+    def serving() -> bool | None:
+        assert c.proc is not None and c.proc.poll() is None, f"{what} exited"
         try:
-            ok = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            ok = httpx.get(url, timeout=2).status_code == 200
         except httpx.HTTPError:
             return None
         return True if ok else None
 
-    wait_for("engine /health in the image", healthy, 120, interval_s=0.5)
+    wait_for(f"{what} in the image", serving, 120, interval_s=0.5)
+
+
+def test_engine_image_serves_health_and_stops_on_sigterm(engine: Container, tmp_path: Path) -> None:
+    port = engine.port  # type: ignore[attr-defined]
+    assert engine.proc is not None
+    wait_serving(engine, "engine /health", f"http://127.0.0.1:{port}/health")
     props = httpx.get(f"http://127.0.0.1:{port}/props", timeout=5).json()
     assert props["polykv"]["boot_id"]
     metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
@@ -122,7 +132,38 @@ def test_operator_image_entrypoint_and_modules(operator_image: Image) -> None:
     assert "uid 65532 gid 65532" in out.stdout
 
 
-@pytest.mark.parametrize("name", ["engine", "operator"])
+def test_router_image_routes_to_the_engine_image(
+    engine: Container, router_image: Image, tmp_path: Path
+) -> None:
+    engine_port = engine.port  # type: ignore[attr-defined]
+    wait_serving(engine, "engine /health", f"http://127.0.0.1:{engine_port}/health")
+    port = free_port()
+    router = Container(
+        router_image,
+        args=["--replica", f"e0=127.0.0.1:{engine_port}", "--port", str(port),
+              "--host", "127.0.0.1", "--log-format", "json"],
+    )  # fmt: skip
+    router.start(tmp_path / "router.log")
+    try:
+        wait_serving(router, "router /readyz", f"http://127.0.0.1:{port}/readyz")
+        body = {"prompt": "hello", "n_predict": 4, "temperature": 0, "session_id": "img-s1"}
+        r = httpx.post(f"http://127.0.0.1:{port}/completion", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens_predicted"] == 4
+        assert "polykv_router" in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        assert router.proc is not None
+        router.signal(signal.SIGTERM)
+        assert router.proc.wait(30) == 0
+    finally:
+        if router.proc is not None and router.proc.poll() is None:
+            router.proc.kill()
+            router.proc.wait(10)
+        print((tmp_path / "router.log").read_text(errors="replace")[-3000:])
+    log = (tmp_path / "router.log").read_text(errors="replace")
+    assert "Read-only file system" not in log
+
+
+@pytest.mark.parametrize("name", ["engine", "operator", "router"])
 def test_labels_user_and_pins(name: str, request: pytest.FixtureRequest) -> None:
     image: Image = request.getfixturevalue(f"{name}_image")
     assert image.config["User"] == "65532:65532"
@@ -134,7 +175,7 @@ def test_labels_user_and_pins(name: str, request: pytest.FixtureRequest) -> None
         "localhost/polykv-debian:bookworm-"
     )
     # Every Python distribution in the image is the locked version, and nothing else is there.
-    lock = ROOT / ("engine_image" if name == "engine" else "operator") / "requirements.lock"
+    lock = ROOT / ("engine_image" if name == "engine" else name) / "requirements.lock"
     pinned = {
         ln.split("==")[0]: ln.split("==")[1]
         for ln in lock.read_text().splitlines()

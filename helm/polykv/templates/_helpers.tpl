@@ -45,6 +45,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s:%s" .Values.image.engine.repository (default .Chart.AppVersion .Values.image.engine.tag) -}}
 {{- end -}}
 
+{{- define "polykv.routerImage" -}}
+{{- printf "%s:%s" .Values.image.router.repository (default .Chart.AppVersion .Values.image.router.tag) -}}
+{{- end -}}
+
 {{/* The restricted Pod Security profile, for pods and for containers. */}}
 {{- define "polykv.podSecurityContext" -}}
 runAsNonRoot: true
