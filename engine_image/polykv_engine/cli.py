@@ -163,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not share a prompt's prefix with other sessions' cells (pools still do)",
     )
     p.add_argument(
+        "--no-polykv-pause-aware-admission",
+        dest="pause_aware_admission",
+        action="store_false",
+        help="admission projects from the sessions decoding now only, not also those "
+        "between turns (for workloads without tool-call pauses, and for comparison)",
+    )
+    p.add_argument(
         "--polykv-max-queue",
         type=int,
         default=None,
@@ -299,6 +306,7 @@ def config_from_args(
         kv_debug=args.polykv_kv_debug,
         warmup=not args.no_warmup,
         auto_share=args.auto_share,
+        pause_aware_admission=args.pause_aware_admission,
         max_queue=(
             args.polykv_max_queue if args.polykv_max_queue is not None else 8 * args.parallel
         ),

@@ -48,6 +48,7 @@ from polykv_engine.core.tasks import (
 from polykv_engine.core.textstream import TextAssembler
 from polykv_engine.kv.cache import KVCache
 from polykv_engine.llama.runtime import Batch, LlamaError, LlamaRuntime, RuntimeConfig
+from polykv_engine.policy.step_time import StepTimer
 from polykv_engine.policy.tps import SessionRate, ThroughputRate
 from polykv_engine.pools.manager import PoolManager
 from polykv_engine.pools.tree import Pool, PoolError
@@ -75,6 +76,7 @@ class EngineConfig:
     warmup: bool = True  # run the model once before reporting ready (--no-warmup: skip)
     max_queue: int = 64  # requests waiting for a slot beyond which new ones get 503
     auto_share: bool = True  # share a prompt's prefix with any resident sequence (no pool)
+    pause_aware_admission: bool = True  # admission counts sessions between turns as load
 
 
 class Engine:
@@ -91,6 +93,7 @@ class Engine:
         self._waiting: deque[GenerateTask] = deque()
         self._decode_rate = ThroughputRate(cfg.tps_window_s)
         self._prefill_rate = ThroughputRate(cfg.tps_window_s)
+        self._step_timer = StepTimer()
         self._counters = Counters()
         self._batch: Batch | None = None
         self._stop_requested = False
@@ -578,6 +581,7 @@ class Engine:
         t0 = time.perf_counter()
         batch = self._batch
         assert batch is not None
+        retried = False
         while True:
             build_batch(batch, self.slots.slots, self.pools)
             if batch.n == 0:
@@ -597,8 +601,15 @@ class Engine:
                 break
             if not self._make_room():
                 return
+            retried = True
+        # A step that only decoded (one token for each of b sessions) measures t(b), what
+        # admission scales rates with; steps carrying prompt or pool chunks do not.
+        decoding = sum(1 for s in self.slots.slots if s.state == "decoding" and s.batch_tokens)
         self._after_decode(time.perf_counter())
-        self._bump(step_seconds=time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self._bump(step_seconds=seconds)
+        if not retried and decoding == batch.n:
+            self._step_timer.record(decoding, seconds)
 
     def _abort_batch(self, reason: str) -> None:
         """A decode failed hard: fail every request and build in the batch, forget their KV."""
@@ -852,6 +863,7 @@ class Engine:
             kv_cells_total=rt.n_ctx if rt else 0,
             pools=pools,
             counters=self._counters,
+            step_curve=self._step_timer.curve(),
         )
 
     def _reclaimable(self) -> int:

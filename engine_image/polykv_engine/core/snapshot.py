@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from polykv_api.models import AdmissionPolicy, PoolRef
+from polykv_engine.policy.step_time import StepCurve
 from polykv_engine.policy.tps import ActiveRates, active_rates
 
 SlotState = Literal["idle", "prefill", "decoding"]
@@ -92,6 +93,7 @@ class EngineSnapshot:
     kv_cells_reclaimable: int = 0  # held only by idle prompt caches: free on demand
     pools: tuple[PoolSnapshot, ...] = ()
     counters: Counters = field(default_factory=Counters)
+    step_curve: StepCurve = field(default_factory=StepCurve)  # decode step time by batch size
 
     @property
     def n_ctx_slot(self) -> int:

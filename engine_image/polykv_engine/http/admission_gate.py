@@ -25,7 +25,9 @@ from polykv_engine.http.errors import ApiError
 from polykv_engine.http.metrics import PoolCounters
 from polykv_engine.policy.admission import (
     REASON_SETTLING,
+    RETURN_WINDOW_S,
     EngineView,
+    LoadMemory,
     PoolAdmissionState,
     SessionView,
     capacity,
@@ -50,7 +52,10 @@ GATE_REASONS: dict[AdmissionReason, Reason] = {
 POLL_S = 0.05
 
 
-def engine_view(snap: EngineSnapshot, pool: PoolSnapshot | None) -> EngineView:
+def engine_view(
+    snap: EngineSnapshot, pool: PoolSnapshot | None, pause_aware: bool = True
+) -> EngineView:
+    wall = time.time()  # slots stamp the end of a turn with the wall clock
     sessions = tuple(
         SessionView(
             task_id=s.task_id,
@@ -61,6 +66,8 @@ def engine_view(snap: EngineSnapshot, pool: PoolSnapshot | None) -> EngineView:
             in_pool=pool is not None and s.pool_id == pool.pool_id,
             ctx_used=s.ctx_used,
             private_tokens=max(0, s.ctx_used - s.shared_prefix),
+            returning=s.processing
+            or (s.session_id is not None and wall - s.last_used < RETURN_WINDOW_S),
         )
         for s in snap.slots
     )
@@ -72,6 +79,8 @@ def engine_view(snap: EngineSnapshot, pool: PoolSnapshot | None) -> EngineView:
         n_ctx_slot=snap.n_ctx_slot,
         idle_slots=sum(1 for s in snap.slots if not s.processing),
         pool_prefix_len=pool.prefix_len if pool is not None else 0,
+        step_curve=snap.step_curve,
+        pause_aware=pause_aware,
     )
 
 
@@ -79,6 +88,8 @@ class AdmissionGate:
     def __init__(self, engine: Engine, registry: CollectorRegistry) -> None:
         self.engine = engine
         self.states: dict[int, PoolAdmissionState] = {}
+        self.memory = LoadMemory()  # engine-wide: the last measured mean, for idle moments
+        self.pause_aware = engine.cfg.pause_aware_admission
         self.counters = PoolCounters(registry)
         # Sessions turned away in the last minute, engine-wide and per pool: demand that a
         # floor-keeping gate hides from the tps figures (autoscaling counts it).
@@ -107,9 +118,9 @@ class AdmissionGate:
             await asyncio.sleep(POLL_S)
 
     def tick(self, now: float) -> None:
-        """Close settle windows promptly (a drop is measured when it settles) and keep each
-        policed pool's last settled mean current."""
+        """Close settle windows promptly and keep the last measured mean current."""
         snap = self.engine.snapshot
+        self.memory.observe(self.view(snap, None), now)
         live = {p.pool_id for p in snap.pools}
         for pid in [pid for pid in self.states if pid not in live]:
             del self.states[pid]  # the pool was released
@@ -120,11 +131,13 @@ class AdmissionGate:
         for pool in snap.pools:
             if pool.admission is None:
                 continue
-            st = self.state(pool.pool_id)  # keeps the settled mean fresh even between admits
-            if st.update(pool.admission, engine_view(snap, pool), now):
-                log.debug("pool %s: settled, drop factor %s", pool.label, st.drop_factor)
+            if self.state(pool.pool_id).update(pool.admission, self.view(snap, pool), now):
+                log.debug("pool %s: settled", pool.label)
 
     # ------------------------------------------------------------------ questions
+
+    def view(self, snap: EngineSnapshot, pool: PoolSnapshot | None) -> EngineView:
+        return engine_view(snap, pool, self.pause_aware)
 
     def capacity(
         self, pool: PoolSnapshot, expected_tokens: int | None, session_id: str | None
@@ -132,18 +145,19 @@ class AdmissionGate:
         snap = self.engine.snapshot
         now = time.monotonic()
         st = self.state(pool.pool_id)
-        view = engine_view(snap, pool)
+        view = self.view(snap, pool)
         if pool.admission is not None:
             st.update(pool.admission, view, now)
+        self.memory.observe(view, now)
         known = session_id is not None and any(s.session_id == session_id for s in snap.slots)
-        return capacity(pool.admission, st, view, now, expected_tokens, known)
+        return capacity(pool.admission, st, view, now, expected_tokens, known, self.memory)
 
     def compaction_pressure(self, pool: PoolSnapshot | None) -> float:
         """0..1: how close the sessions (of ``pool``, or engine-wide) are to the KV wall."""
         snap = self.engine.snapshot
         if pool is not None:
             return self.capacity(pool, None, None).compaction_pressure
-        return compaction_pressure(engine_view(snap, None))
+        return compaction_pressure(self.view(snap, None))
 
     async def admit(
         self, task: GenerateTask, overcommit: bool, rehomed: bool = False
@@ -221,7 +235,7 @@ class AdmissionGate:
             rates = active_rates((s.state == "decoding", s.warming, s.tps_ewma) for s in members)
             floor = pool.admission.target_tps_per_session if pool.admission else None
             loads.append(PoolLoad(floor, rates.n_active, rates.tps_sum))
-        view = engine_view(snap, None)
+        view = self.view(snap, None)
         headroom = capacity(None, PoolAdmissionState(), view, now).headroom_sessions
         return floor_pressure(loads), snap.n_processing, self.refused.count(now), headroom
 
@@ -237,8 +251,7 @@ class AdmissionGate:
     def _record(self, pool: PoolSnapshot, task: GenerateTask) -> None:
         self._labels[pool.pool_id] = pool.label
         self.counters.admits.labels(pool.label).inc()
-        view = engine_view(self.engine.snapshot, pool)
-        self.state(pool.pool_id).record_admit(task.task_id, view, time.monotonic())
+        self.state(pool.pool_id).record_admit(task.task_id, time.monotonic())
 
     async def _wait(self, pool: PoolSnapshot, limit_s: float, settle_only: bool) -> Capacity:
         deadline = time.monotonic() + limit_s

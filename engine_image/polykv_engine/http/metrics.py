@@ -69,6 +69,14 @@ class EngineCollector(Collector):
         yield gauge("sessions_warming", "Sessions decoding with no rate yet", active.n_warming)
         yield gauge("kv_cells_used", "KV cells holding tokens", snap.kv_cells_used)
         yield gauge("kv_cells_total", "KV cells in the cache", snap.kv_cells_total)
+        steps = GaugeMetricFamily(
+            "polykv_decode_step_seconds",
+            "Measured time of a decode-only step, by sessions in the batch (admission's curve)",
+            labels=["batch"],
+        )
+        for b, seconds in snap.step_curve.points:
+            steps.add_metric([str(b)], seconds)
+        yield steps
         yield from llama_server_series(snap)
 
 

@@ -1,16 +1,25 @@
-"""Admission math (pure): capacity projection, settle windows, measured drop, guarantee.
+"""Admission math (pure): capacity projection, settle windows, guarantee.
 
-The question is "may one more session join this pool now without
-pushing the mean experienced decode tps of active sessions under the floor?". Decode compute
-is shared by every session on the engine, so the mean and its projection are engine-wide;
-the settle window, measured drop and guaranteed minimum belong to the pool.
+The question is "may one more session join this pool now without pushing the mean
+experienced decode tps of active sessions under the floor?". Decode compute is shared by
+every session on the engine, so the mean and its projection are engine-wide; the settle
+window and guaranteed minimum belong to the pool.
+
+The projection is pause-aware. Agents spend part of each cycle in tool calls, and while some
+are paused the others decode faster: the live mean flatters the load the paused ones bring
+back (the error that let earlier gates over-admit). So admission counts the *returning*
+sessions, R: those decoding plus those whose turn ended within ``RETURN_WINDOW_S``, and
+projects the rate everyone gets when all R + 1 decode together, scaling the rate measured now
+(at b sessions decoding) by the engine's measured step-time curve: rate × t(b) / t(R + 1)
+(``policy.step_time``). Until the curve has two measured sizes, the model assumes a flat
+aggregate (rate × b / (R + 1)), the cautious guess.
 
 Arms, in order (the first that decides wins):
 1. context (hard): ``expected_tokens`` that cannot fit a slot's context or the free cells;
 2. guaranteed minimum: fewer attached sessions than ``guarantee_min_sessions`` → admit;
 3. settling: the last admit has not been absorbed by the measurements yet → wait;
 4. KV headroom: no room for one more session's private suffix → refuse;
-5. tps floor: the projected mean (measured drop once known, else n/(n+1)) under the target.
+5. tps floor: the projected mean under the target.
 """
 
 from __future__ import annotations
@@ -19,10 +28,11 @@ import math
 from dataclasses import dataclass, field
 
 from polykv_api.models import AdmissionPolicy, AdmissionReason, Capacity
+from polykv_engine.policy.step_time import StepCurve
 from polykv_engine.policy.tps import ActiveRates, active_rates
 
-DROP_ALPHA = 0.3  # weight of the newest measured drop factor in its EWMA
-IDLE_SAMPLE_FRESH_S = 30.0  # a settled mean older than this says nothing about now
+IDLE_SAMPLE_FRESH_S = 30.0  # a measured mean older than this says nothing about now
+RETURN_WINDOW_S = 10.0  # a session whose turn ended this recently is in a tool call
 DEFAULT_SESSION_TOKENS = 256  # private suffix assumed when nothing better is known
 
 REASON_OK = "ok"
@@ -57,6 +67,7 @@ class SessionView:
     in_pool: bool
     ctx_used: int
     private_tokens: int  # cells only this session holds
+    returning: bool = False  # running a turn, or between turns (its last ended recently)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +78,8 @@ class EngineView:
     n_ctx_slot: int
     idle_slots: int
     pool_prefix_len: int
+    step_curve: StepCurve = field(default_factory=StepCurve)
+    pause_aware: bool = True  # count returning sessions, not only those decoding now
 
     @property
     def active(self) -> ActiveRates:
@@ -81,6 +94,16 @@ class EngineView:
         return self.active.n_warming
 
     @property
+    def n_decoding(self) -> int:
+        return sum(1 for s in self.sessions if s.decoding)
+
+    @property
+    def n_returning(self) -> int:
+        """Sessions that will decode in the next seconds (engine-wide): the load to plan for."""
+        returning = sum(1 for s in self.sessions if s.returning or s.decoding)
+        return returning if self.pause_aware else self.n_decoding
+
+    @property
     def n_pool_sessions(self) -> int:
         return sum(1 for s in self.sessions if s.in_pool)
 
@@ -89,75 +112,87 @@ class EngineView:
 class Settle:
     t_admit: float
     task_id: int
-    mean_at_admit: float
-    n_active_at_admit: int
+
+
+@dataclass(slots=True)
+class LoadMemory:
+    """Engine-wide: the last measured mean and how many sessions were decoding, so that a
+    moment when everyone is between turns does not read as free capacity."""
+
+    mean: float = 0.0
+    n_decoding: int = 0
+    ts: float = -math.inf
+
+    def observe(self, view: EngineView, now: float) -> None:
+        live = view.active
+        if live.n_active > 0 and live.n_warming == 0:
+            self.mean, self.n_decoding, self.ts = live.mean, live.n_active, now
+
+    def fresh(self, now: float) -> bool:
+        return self.n_decoding > 0 and now - self.ts < IDLE_SAMPLE_FRESH_S
 
 
 @dataclass(slots=True)
 class PoolAdmissionState:
-    """What a pool remembers between admits.
-
-    The measured drop is learned as a correction factor on the n/(n+1) model's drop
-    (``drop_factor`` = measured drop ÷ the model's drop at that n), so one admit's lesson
-    carries to the next at a different n: measured here, the first admit's absolute drop
-    (1 → 2 sessions, ~30 tok/s) is many times the later ones' (3–6 tok/s), and an absolute
-    EWMA seeded by it refused every further session. ``drop_per_admit_ewma`` reports the
-    resulting forecast in tok/s for the next admit.
-    """
+    """What a pool remembers between admits: the open settle window, if any."""
 
     settle: Settle | None = None
-    drop_factor: float | None = None
-    last_settled_mean: float | None = None
-    last_settled_ts: float = 0.0
-    history: list[float] = field(default_factory=list)  # recent measured drops, newest last
 
-    def record_admit(self, task_id: int, view: EngineView, now: float) -> None:
-        self.settle = Settle(now, task_id, view.mean_active, view.active.n_active)
+    def record_admit(self, task_id: int, now: float) -> None:
+        self.settle = Settle(now, task_id)
 
     def settle_remaining_ms(self, policy: AdmissionPolicy, now: float) -> float:
         if self.settle is None:
             return 0.0
         return max(0.0, policy.settle_max_ms - (now - self.settle.t_admit) * 1e3)
 
-    def forecast_drop(self, mean: float, n: int) -> float | None:
-        """The next admit's drop in tok/s at the current mean and n, once one was measured."""
-        if self.drop_factor is None or n <= 0:
-            return None
-        return self.drop_factor * mean / (n + 1)
-
     def update(self, policy: AdmissionPolicy, view: EngineView, now: float) -> bool:
         """Close the settle window when the admitted session has decoded ``settle_tokens``
         or ``settle_max_ms`` passed (a turn shorter than settle_tokens waits for the timeout:
-        closing early would measure the mean without the admitted session). While no window
-        is open, a live mean refreshes the last settled mean, so the idle-gap estimate stays
-        fresh on a busy pool. Returns True when a window closed."""
+        closing early would measure the mean without the admitted session). Returns True
+        when a window closed."""
         s = self.settle
-        mean_now = view.mean_active
         if s is None:
-            if mean_now > 0 and view.n_warming == 0:
-                self.last_settled_mean = mean_now
-                self.last_settled_ts = now
             return False
         admitted = next((x for x in view.sessions if x.task_id == s.task_id), None)
         decoded_enough = admitted is not None and admitted.n_decoded >= policy.settle_tokens
         timed_out = (now - s.t_admit) * 1e3 >= policy.settle_max_ms
         if not (decoded_enough or timed_out):
             return False
-        n0 = s.n_active_at_admit
-        if n0 > 0 and mean_now > 0 and s.mean_at_admit > 0:
-            drop = max(0.0, s.mean_at_admit - mean_now)
-            factor = drop / (s.mean_at_admit / (n0 + 1))
-            self.drop_factor = (
-                factor
-                if self.drop_factor is None
-                else DROP_ALPHA * factor + (1 - DROP_ALPHA) * self.drop_factor
-            )
-            self.history = [*self.history[-15:], drop]
-        if mean_now > 0:
-            self.last_settled_mean = mean_now
-            self.last_settled_ts = now
         self.settle = None
         return True
+
+
+@dataclass(frozen=True, slots=True)
+class Projection:
+    model: float | None  # flat aggregate: rate × b / (R + 1)
+    measured: float | None  # the step-time curve: rate × t(b) / t(R + 1)
+    at_returning: float | None  # the same, for the R sessions alone (no admit)
+    idle_estimate: bool
+
+    @property
+    def if_admitted(self) -> float | None:
+        return self.measured if self.measured is not None else self.model
+
+
+def project(view: EngineView, memory: LoadMemory, now: float) -> Projection:
+    """The mean decode rate when every returning session and one more decode together."""
+    live = view.active
+    idle_estimate = False
+    if live.n_active > 0:
+        # The rate was measured before any warming session joined (its EWMA spans ~2 s):
+        # it belongs to the measured sessions' count; the warming ones are in R.
+        mean, b = live.mean, live.n_active
+    elif view.n_returning > 0 and memory.fresh(now):
+        # Everyone is between turns (or still warming): no live rate, but a recent one.
+        mean, b, idle_estimate = memory.mean, memory.n_decoding, True
+    else:
+        return Projection(None, None, None, False)
+    r = max(view.n_returning, b)
+    curve = view.step_curve
+    measured = curve.scale(mean, b, r + 1) if curve.measured else None
+    at_r = curve.scale(mean, b, r) if curve.measured else mean * b / r
+    return Projection(mean * b / (r + 1), measured, at_r, idle_estimate)
 
 
 def compaction_pressure(view: EngineView) -> float:
@@ -186,30 +221,15 @@ def capacity(
     now: float,
     expected_tokens: int | None = None,
     known_session: bool = False,
+    memory: LoadMemory | None = None,
 ) -> Capacity:
-    mean = view.mean_active
-    n = view.active.n_active
-    fresh = (
-        state.last_settled_mean is not None and now - state.last_settled_ts < IDLE_SAMPLE_FRESH_S
+    proj = project(view, memory or LoadMemory(), now)
+    projected = proj.if_admitted
+    drop = (
+        max(0.0, proj.at_returning - projected)
+        if proj.at_returning is not None and projected is not None
+        else None
     )
-    if 0 < n < view.n_pool_sessions and fresh and state.last_settled_mean is not None:
-        # Some of the pool's sessions are between turns: the live mean flatters the load they
-        # bring back, so judge from the lower of it and the last settled mean, at the pool's n.
-        mean = min(mean, state.last_settled_mean)
-        n = view.n_pool_sessions
-    model = mean * n / (n + 1) if n > 0 else None
-    drop = state.forecast_drop(mean, n)
-    measured = max(0.0, mean - drop) if drop is not None else None
-    projected = measured if measured is not None else model
-    idle_estimate = False
-    if n == 0 and view.n_pool_sessions > 0 and fresh and state.last_settled_mean is not None:
-        # Every session is between turns: no live rate, but the last settled mean is fresh,
-        # so "nothing decoding" must not read as free capacity.
-        idle_estimate = True
-        last = state.last_settled_mean
-        k = view.n_pool_sessions
-        drop = state.forecast_drop(last, k)
-        projected = max(0.0, last - drop) if drop is not None else last * k / (k + 1)
     per_session = session_cells(view, expected_tokens)
     kv_room = view.free_cells // per_session
     headroom = max(0, min(kv_room, view.idle_slots))
@@ -239,7 +259,7 @@ def capacity(
             and projected is not None
             and projected < policy.target_tps_per_session
         ):
-            return False, REASON_FLOOR_IDLE if idle_estimate else REASON_FLOOR
+            return False, REASON_FLOOR_IDLE if proj.idle_estimate else REASON_FLOOR
         return True, REASON_OK
 
     ok, reason = verdict()
@@ -248,17 +268,17 @@ def capacity(
         reason=reason,
         reason_code=REASON_CODES[reason],
         projected_mean_tps_if_admitted=projected,
-        projected_mean_tps_model=model,
-        projected_mean_tps_measured=measured,
-        projected_idle_estimate=idle_estimate,
+        projected_mean_tps_model=proj.model,
+        projected_mean_tps_measured=proj.measured,
+        projected_idle_estimate=proj.idle_estimate,
         drop_per_admit_ewma=drop,
         headroom_sessions=headroom,
         kv_headroom_pct=kv_pct,
         settling=settling,
         settle_remaining_ms=remaining if settling else 0.0,
         n_warming=view.n_warming,
-        n_active=n,
-        mean_active_tps=mean,
+        n_active=view.active.n_active,
+        mean_active_tps=view.mean_active,
         n_pool_sessions=view.n_pool_sessions,
         guaranteed=guaranteed,
         known_session=known_session,

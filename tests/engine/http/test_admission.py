@@ -358,3 +358,30 @@ def test_autoscale_signals_idle_zero_pressure_and_refused_demand(
             assert gauge("polykv_session_demand_ratio") > gauge("polykv_sessions_active") / 8
         listing = ac.get("/polykv/pools").json()
         assert listing["sessions_refused"] == 3
+
+
+def test_projection_counts_sessions_between_turns_and_uses_the_step_curve(
+    ac: httpx.Client,
+) -> None:
+    prompt = saturated_pool(ac, "paused", mode="advisory")  # reports, never refuses
+    # Session "tool-call" runs one short turn and then "calls a tool" (stays away < 10 s).
+    r = complete(ac, prompt, 4, pool_id="paused", session_id="tool-call")
+    assert r.status_code == 200, r.text
+    with Load(ac, "paused", prompt, ["busy-0", "busy-1"]):
+        cond = settled_and_active(ac, "paused")
+        wait_for(lambda: cond() and cond.last["n_active"] == 2, what=repr(cond))
+        cap = cond.last
+        # Two measured decoders, one returning session: admitting makes four decode together.
+        # The flat-aggregate model is exact arithmetic on the same reading.
+        assert cap["projected_mean_tps_model"] == pytest.approx(cap["mean_active_tps"] * 2 / 4)
+
+        def curve_sizes() -> set[str]:
+            text = ac.get("/metrics").text
+            fams = {f.name: f for f in text_string_to_metric_families(text)}
+            return {s.labels["batch"] for s in fams["polykv_decode_step_seconds"].samples}
+
+        # Decode-only steps with one and two sessions were timed: the curve is measured.
+        wait_for(lambda: {"1", "2"} <= curve_sizes(), what="step curve at sizes 1 and 2")
+        wait_for(lambda: capacity(ac, "paused")["projected_mean_tps_measured"] is not None)
+        cap = capacity(ac, "paused")
+        assert 0 < cap["projected_mean_tps_measured"] <= cap["mean_active_tps"] * 1.05

@@ -14,12 +14,14 @@ from polykv_engine.policy.admission import (
     REASON_OK,
     REASON_SETTLING,
     EngineView,
+    LoadMemory,
     PoolAdmissionState,
     SessionView,
     capacity,
     compaction_pressure,
     retry_after_s,
 )
+from polykv_engine.policy.step_time import StepCurve
 
 
 def sess(tps: float, task: int = 0, warming: bool = False, decoded: int = 100,
@@ -27,8 +29,17 @@ def sess(tps: float, task: int = 0, warming: bool = False, decoded: int = 100,
     return SessionView(task, True, warming, tps, decoded, in_pool, ctx, private)
 
 
-def view(*sessions: SessionView, free: int = 10_000, total: int = 16_384) -> EngineView:
-    return EngineView(tuple(sessions), free, total, 8192, idle_slots=4, pool_prefix_len=200)
+def view(
+    *sessions: SessionView,
+    free: int = 10_000,
+    total: int = 16_384,
+    steps: StepCurve | None = None,
+    pause_aware: bool = True,
+) -> EngineView:
+    return EngineView(
+        tuple(sessions), free, total, 8192, idle_slots=4, pool_prefix_len=200,
+        step_curve=steps or StepCurve(), pause_aware=pause_aware,
+    )  # fmt: skip
 
 
 FLOOR15 = AdmissionPolicy(target_tps_per_session=15.0, mode="enforced", guarantee_min_sessions=1)
@@ -47,79 +58,101 @@ def test_warming_sessions_are_excluded_from_the_mean() -> None:
     v = view(sess(20), sess(0, warming=True))
     cap = capacity(FLOOR15, PoolAdmissionState(), v, now=0)
     assert cap.mean_active_tps == 20 and cap.n_warming == 1 and cap.n_active == 1
-    assert cap.projected_mean_tps_model == pytest.approx(10.0)
+    # Its rate was measured alone; with the warming one and one more, three share it.
+    assert cap.projected_mean_tps_model == pytest.approx(20 / 3)
 
 
-def test_courier_run_stale_ewma_and_measured_drop() -> None:
+def curve(*points: tuple[int, float]) -> StepCurve:
+    return StepCurve(tuple(points))
+
+
+def paused(in_pool: bool = True) -> SessionView:
+    """A session in a tool call: its turn ended a moment ago, it will be back."""
+    return SessionView(None, False, False, 16.0, 0, in_pool, 300, 100, returning=True)
+
+
+def test_courier_run_settles_and_projects_from_the_measured_step_curve() -> None:
     """§14.1: the courier run went 38 → 31.7 → 21.7 → 15.9 → 11.6 tps as it admitted
     workers against a floor of 15, because (1) it re-admitted before the EWMA absorbed the
     last admit and (2) nothing learned what an admit really costs.
 
-    Here the settle window blocks (1), and the learned drop factor (measured drop ÷ the
-    n/(n+1) model's drop) admits exactly the sessions that stayed above the floor (down to
-    15.9) and refuses the one that took the real run to 11.6."""
+    The settle window blocks (1); for (2) the engine's step-time curve, measured at the sizes
+    the run went through, projects each admit: it admits the sessions that stayed above the
+    floor (down to 15.9) and refuses the one that took the real run to 11.6."""
     policy = AdmissionPolicy(
         target_tps_per_session=15.0, mode="enforced", settle_tokens=48, settle_max_ms=5000
     )
+    # Step times that give exactly the run's rates: t(b) = 1 / rate(b).
+    rates = {1: 38.0, 2: 31.7, 3: 21.7, 4: 15.9, 5: 11.6}
+    measured: list[tuple[int, float]] = [(1, 1 / 38.0)]
     st = PoolAdmissionState()
     t = 0.0
     sessions = [sess(38.0, task=1)]
-    for step, after in enumerate([31.7, 21.7, 15.9]):
-        v = view(*sessions)
+    for step in range(3):
+        # Before the curve has two sizes the model assumes a flat aggregate (cautious).
+        v = view(*sessions, steps=curve(*measured))
         cap = capacity(policy, st, v, now=t)
+        if step == 0:
+            assert cap.projected_mean_tps_measured is None
+            assert cap.projected_mean_tps_model == pytest.approx(19.0)
         assert cap.can_admit, (step, cap)
-        st.record_admit(task_id=step + 2, view=v, now=t)
+        st.record_admit(task_id=step + 2, now=t)
         # Stale EWMA: a tick later nothing has moved yet; the gate must say "settling".
         t += 1.0
         assert capacity(policy, st, view(*sessions), now=t).reason == REASON_SETTLING
-        # The admitted session decodes its 48 tokens; everyone slows to the new mean.
-        sessions = [sess(after, task=i + 1) for i in range(len(sessions) + 1)]
+        # The admitted session decodes its 48 tokens; everyone slows to the new rate.
+        n = len(sessions) + 1
+        sessions = [sess(rates[n], task=i + 1) for i in range(n)]
+        measured.append((n, 1 / rates[n]))
         t += 2.0
         assert st.update(policy, view(*sessions), now=t)
         assert st.settle is None
-    factors = [6.3 / (38 / 2), 10.0 / (31.7 / 3), 5.8 / (21.7 / 4)]
-    k = factors[0]
-    for f in factors[1:]:
-        k = 0.3 * f + 0.7 * k
-    assert st.drop_factor == pytest.approx(k)
-    assert st.history == pytest.approx([6.3, 10.0, 5.8])
-    cap = capacity(policy, st, view(*sessions), now=t)
-    assert cap.drop_per_admit_ewma == pytest.approx(k * 15.9 / 5)
-    assert cap.projected_mean_tps_measured == pytest.approx(15.9 - k * 15.9 / 5)
+    # The fifth session: the curve's line through the measured sizes forecasts the drop.
+    cap = capacity(policy, st, view(*sessions, steps=curve(*measured)), now=t)
+    t5 = curve(*measured).time_at(5)
+    assert t5 is not None and t5 > 1 / 15.9
+    assert cap.projected_mean_tps_measured == pytest.approx(15.9 * (1 / 15.9) / t5)
+    assert cap.drop_per_admit_ewma == pytest.approx(15.9 - cap.projected_mean_tps_measured)
     assert not cap.can_admit and cap.reason == REASON_FLOOR
 
 
 def test_settle_closes_on_tokens_or_timeout_never_on_a_short_turn() -> None:
     policy = AdmissionPolicy(target_tps_per_session=5.0, settle_tokens=48, settle_max_ms=1000)
     st = PoolAdmissionState()
-    st.record_admit(7, view(sess(30, task=1)), now=0.0)
+    st.record_admit(7, now=0.0)
     assert not st.update(policy, view(sess(30, task=1), sess(0, task=7, decoded=3)), now=0.5)
     assert st.settle_remaining_ms(policy, 0.5) == pytest.approx(500)
     # The admitted turn ended before 48 tokens: the mean without it says nothing yet.
     assert not st.update(policy, view(sess(30, task=1)), now=0.9)
     assert st.update(policy, view(sess(30, task=1)), now=1.0)  # timed out
-    st.record_admit(8, view(sess(30, task=1)), now=2.0)
+    st.record_admit(8, now=2.0)
     assert st.update(policy, view(sess(25, task=1), sess(25, task=8, decoded=48)), now=2.2)
 
 
-def test_a_busy_pool_keeps_its_idle_estimate_fresh() -> None:
-    st = PoolAdmissionState(drop_factor=1.0)
-    policy = FLOOR15
-    # Sessions decode now and then, with no admit for minutes: the settled mean follows.
-    st.update(policy, view(sess(16.0), sess(16.0)), now=100.0)
-    idle = SessionView(None, False, False, 16.0, 0, True, 300, 100)
-    cap = capacity(policy, st, view(idle, idle), now=125.0)
-    assert cap.projected_idle_estimate and not cap.can_admit
-    assert cap.reason == REASON_FLOOR_IDLE
-
-
-def test_a_partly_paused_pool_is_judged_at_its_full_size() -> None:
-    st = PoolAdmissionState(last_settled_mean=16.0, last_settled_ts=99.0)
-    paused = SessionView(None, False, False, 16.0, 0, True, 300, 100)
-    # One of two agents is in a tool call: the other alone reads 30 tok/s.
-    cap = capacity(FLOOR15, st, view(sess(30.0), paused), now=100.0)
-    assert cap.projected_mean_tps_model == pytest.approx(16.0 * 2 / 3)
+def test_a_partly_paused_engine_is_judged_with_everyone_back() -> None:
+    # One of two agents is in a tool call: the other alone reads 30 tok/s at b = 1.
+    steps = curve((1, 1 / 30), (2, 1 / 20), (3, 1 / 14))
+    cap = capacity(FLOOR15, PoolAdmissionState(), view(sess(30.0), paused(), steps=steps), 0)
+    # Admitting makes three decoding together: 30 x t(1) / t(3) = 14.
+    assert cap.projected_mean_tps_measured == pytest.approx(14.0)
+    assert cap.projected_mean_tps_model == pytest.approx(10.0)  # flat aggregate 30 / 3
     assert not cap.can_admit and cap.reason == REASON_FLOOR
+    # Paused sessions of other pools load the engine as much as this pool's own.
+    other = capacity(
+        FLOOR15, PoolAdmissionState(), view(sess(30.0), paused(in_pool=False), steps=steps), 0
+    )
+    assert other.projected_mean_tps_measured == pytest.approx(14.0)
+    # Without pause awareness only the live decoder counts: 30 x t(1) / t(2) = 20 (admit).
+    live = view(sess(30.0), paused(), steps=steps, pause_aware=False)
+    cap = capacity(FLOOR15, PoolAdmissionState(), live, 0)
+    assert cap.projected_mean_tps_if_admitted == pytest.approx(20.0) and cap.can_admit
+
+
+def test_a_session_long_gone_is_not_returning() -> None:
+    steps = curve((1, 1 / 30), (2, 1 / 20), (3, 1 / 14))
+    gone = SessionView(None, False, False, 16.0, 0, True, 300, 100, returning=False)
+    cap = capacity(FLOOR15, PoolAdmissionState(), view(sess(30.0), gone, steps=steps), 0)
+    assert cap.projected_mean_tps_measured == pytest.approx(20.0) and cap.can_admit
 
 
 def test_guarantee_admits_the_first_session_even_when_saturated() -> None:
@@ -149,15 +182,30 @@ def test_kv_headroom_uses_marginal_not_full_context() -> None:
 
 
 def test_idle_gap_estimate() -> None:
-    st = PoolAdmissionState(last_settled_mean=16.0, last_settled_ts=100.0)
-    idle = SessionView(None, False, False, 16.0, 0, True, 300, 100)
-    v = view(idle, idle, idle)
-    cap = capacity(FLOOR15, st, v, now=110.0)
+    memory = LoadMemory()
+    steps = curve((1, 1 / 30), (2, 1 / 20), (3, 1 / 16), (4, 1 / 12))
+    memory.observe(view(sess(16.0), sess(16.0), sess(16.0)), now=100.0)
+    # Every agent is in a tool call: no live rate, but one measured 10 s ago at b = 3.
+    v = view(paused(), paused(), paused(), steps=steps)
+    cap = capacity(FLOOR15, PoolAdmissionState(), v, now=110.0, memory=memory)
     assert cap.projected_idle_estimate
-    assert cap.projected_mean_tps_if_admitted == pytest.approx(16.0 * 3 / 4)
+    assert cap.projected_mean_tps_if_admitted == pytest.approx(16.0 * (1 / 16) / (1 / 12))
+    assert cap.projected_mean_tps_model == pytest.approx(16.0 * 3 / 4)
     assert cap.reason == REASON_FLOOR_IDLE
-    stale = capacity(FLOOR15, st, v, now=200.0)  # a 100 s old sample says nothing
-    assert not stale.projected_idle_estimate and stale.can_admit
+    stale = capacity(FLOOR15, PoolAdmissionState(), v, now=200.0, memory=memory)
+    assert not stale.projected_idle_estimate and stale.can_admit  # 100 s old: says nothing
+    # Sessions long gone: nothing returns, so the engine is free whatever it measured.
+    gone = SessionView(None, False, False, 16.0, 0, True, 300, 100, returning=False)
+    cap = capacity(FLOOR15, PoolAdmissionState(), view(gone, gone), now=110.0, memory=memory)
+    assert cap.can_admit and cap.projected_mean_tps_if_admitted is None
+
+
+def test_warming_sessions_do_not_refresh_the_memory() -> None:
+    memory = LoadMemory()
+    memory.observe(view(sess(20.0), sess(0.0, warming=True)), now=5.0)
+    assert not memory.fresh(5.0)
+    memory.observe(view(sess(20.0), sess(18.0)), now=6.0)
+    assert memory.fresh(6.0) and memory.mean == pytest.approx(19.0) and memory.n_decoding == 2
 
 
 def test_known_session_is_a_continuation() -> None:
@@ -178,7 +226,7 @@ def test_compaction_pressure() -> None:
 
 def test_retry_after_is_a_whole_number_of_seconds() -> None:
     st = PoolAdmissionState()
-    st.record_admit(1, view(sess(30)), now=0.0)
+    st.record_admit(1, now=0.0)
     cap = capacity(FLOOR15, st, view(sess(30)), now=1.2)
     assert cap.settling and retry_after_s(cap, FLOOR15) == 4
     cap = capacity(FLOOR15, PoolAdmissionState(), view(sess(1), sess(1)), now=0)
