@@ -469,13 +469,27 @@ def splice_readme(text: str, name: str, markdown: str) -> str:
     return before + f"\n\n{block}\n" + (f"\n{after}" if after else "")
 
 
+Charts = Callable[[Mapping[str, Any], Path], list[Path]]
+
+
 def publish(
-    name: str, data: Mapping[str, Any], markdown: str, readme: Path | None = README
+    name: str,
+    data: Mapping[str, Any],
+    markdown: str,
+    readme: Path | None = README,
+    charts: Charts | None = None,
 ) -> None:
-    """Write results/<name>.json and .md, and (unless ``readme`` is None) the README table."""
+    """Write results/<name>.json and .md, the charts, and (unless ``readme`` is None) the
+    README table, with the charts linked under it."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / f"{name}.json").write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    (RESULTS_DIR / f"{name}.md").write_text(markdown.strip() + "\n")
+    pngs = charts(data, RESULTS_DIR) if charts is not None else []
+    for png in pngs:
+        progress(f"wrote bench/results/{png.name}")
+    links = "".join(f"\n\n![{png.stem}]({png.name})" for png in pngs)
+    (RESULTS_DIR / f"{name}.md").write_text(markdown.strip() + links + "\n")
+    rel = RESULTS_DIR.relative_to(REPO_ROOT)
+    markdown = markdown.strip() + "".join(f"\n\n![{p.stem}]({rel}/{p.name})" for p in pngs)
     progress(f"wrote bench/results/{name}.json and .md")
     if readme is not None:
         old = readme.read_text()
@@ -507,6 +521,7 @@ def run_and_publish(
     analyse: Callable[[Any, dict[str, Any]], Any],
     render: Callable[[Any, dict[str, Any], Any], str],
     bulky: Sequence[str] = ("runs",),
+    charts: Charts | None = None,
 ) -> int:
     """Measure, summarise, print the table, and publish it unless told not to. ``bulky`` raw
     entries go last in the JSON, after the summary a reader looks for first."""
@@ -525,7 +540,7 @@ def run_and_publish(
         **{k: raw[k] for k in bulky},
     }
     if not (args.no_publish or args.quick):
-        publish(name, data, table, readme=None if args.no_readme else README)
+        publish(name, data, table, readme=None if args.no_readme else README, charts=charts)
     print(table)
     progress(f"done in {time.monotonic() - t0:.0f}s")
     return 0

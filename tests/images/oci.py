@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+UNSHARE = ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private"]
+
 
 @dataclass(frozen=True)
 class Image:
@@ -128,9 +130,9 @@ class Container:
     def start(self, log: Path) -> Container:
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
-                # The PID namespace makes the entrypoint (tini) PID 1, as in a pod.
-                ["unshare", "--mount", "--pid", "--fork", "--propagation", "private",
-                 "sh", "-c", self.script()],
+                # The PID namespace makes the entrypoint (tini) PID 1, as in a pod; killing
+                # unshare kills it too (--kill-child), and with it the whole namespace.
+                [*UNSHARE, "sh", "-c", self.script()],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -139,8 +141,7 @@ class Container:
 
     def run(self, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            ["unshare", "--mount", "--pid", "--fork", "--propagation", "private",
-             "sh", "-c", self.script()],
+            [*UNSHARE, "sh", "-c", self.script()],
             capture_output=True,
             text=True,
             timeout=timeout_s,

@@ -98,10 +98,14 @@ class EngineView:
         return sum(1 for s in self.sessions if s.decoding)
 
     @property
+    def n_back_soon(self) -> int:
+        """Sessions decoding now or between turns (engine-wide)."""
+        return sum(1 for s in self.sessions if s.returning or s.decoding)
+
+    @property
     def n_returning(self) -> int:
-        """Sessions that will decode in the next seconds (engine-wide): the load to plan for."""
-        returning = sum(1 for s in self.sessions if s.returning or s.decoding)
-        return returning if self.pause_aware else self.n_decoding
+        """The sessions to plan for: those back soon, or (not pause-aware) those decoding."""
+        return self.n_back_soon if self.pause_aware else self.n_decoding
 
     @property
     def n_pool_sessions(self) -> int:
@@ -183,8 +187,9 @@ def project(view: EngineView, memory: LoadMemory, now: float) -> Projection:
         # The rate was measured before any warming session joined (its EWMA spans ~2 s):
         # it belongs to the measured sessions' count; the warming ones are in R.
         mean, b = live.mean, live.n_active
-    elif view.n_returning > 0 and memory.fresh(now):
-        # Everyone is between turns (or still warming): no live rate, but a recent one.
+    elif view.n_back_soon > 0 and memory.fresh(now):
+        # Everyone is between turns (or still warming): no live rate, but a recent one, and
+        # at least the sessions it was measured with come back.
         mean, b, idle_estimate = memory.mean, memory.n_decoding, True
     else:
         return Projection(None, None, None, False)

@@ -231,3 +231,14 @@ def test_retry_after_is_a_whole_number_of_seconds() -> None:
     assert cap.settling and retry_after_s(cap, FLOOR15) == 4
     cap = capacity(FLOOR15, PoolAdmissionState(), view(sess(1), sess(1)), now=0)
     assert retry_after_s(cap, FLOOR15) == 5
+
+
+def test_without_pause_awareness_an_idle_moment_still_uses_the_memory() -> None:
+    memory = LoadMemory()
+    memory.observe(view(sess(16.0), sess(16.0)), now=100.0)
+    v = view(paused(), paused(), pause_aware=False)
+    cap = capacity(FLOOR15, PoolAdmissionState(), v, now=101.0, memory=memory)
+    # The two it was measured with come back, plus one: 16 x 2 / 3.
+    assert cap.projected_idle_estimate
+    assert cap.projected_mean_tps_if_admitted == pytest.approx(16.0 * 2 / 3)
+    assert cap.reason == REASON_FLOOR_IDLE
