@@ -11,6 +11,9 @@ turn, which needs new ones (of the same lengths):
   reference for the attach-time target;
 * ``pool``: a pool of the prefix is created (timed apart), the sessions attach with
   ``pool_id`` and prefill only their suffixes;
+* ``auto``: no pool, ``cache_prompt: true``, every slot and pool cleared first: the engine's
+  automatic prefix sharing alone. One session prefills P + S; the others, released with it,
+  wait for that prefill and take its prefix cells (no copy), then prefill their suffixes;
 * ``full``: no sharing, ``cache_prompt: false``: every session prefills P + S itself (this is
   also exactly what a cold per-slot prompt cache does: its slots are empty);
 * ``cache``: the per-slot prompt cache warm: right after ``full`` (whose slots kept their KV)
@@ -36,6 +39,10 @@ from ``GET /polykv/pools`` (``kv_bytes_used``, per-pool ``own_kv_bytes``, per-se
 
 Targets (issue 3): pooled KV bytes <= 1.02 x (P + sum S_i) x bytes/token; attach time to
 first token <= 1.2 x the time to prefill the suffix alone (same engine, same k).
+Targets (issue 17, automatic sharing without a pool): KV bytes <= 1.05 x the pool's; time to
+first token <= 1.5 x the pool's create + attach time (the pool computed the prefix once
+before its clock started; automatic sharing computes it inside the measured turn), with the
+ratio to attach alone reported beside it.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,11 +77,14 @@ SESSIONS_PER_FORK = 2
 TAIL_TOKENS = 200
 TARGET_KV_RATIO = 1.02
 TARGET_TTFT_RATIO = 1.2
+AUTO_KV_RATIO = 1.05  # automatic sharing's KV against the pool's
+AUTO_TTFT_RATIO = 1.5  # its first token against the pool's create + attach
 
-MODES = ("alone", "pool", "full", "cache")
+MODES = ("alone", "pool", "auto", "full", "cache")
 MODE_LABELS = {
     "alone": "suffix alone",
     "pool": "pool attach",
+    "auto": "automatic sharing, no pool",
     "full": "no sharing",
     "cache": "per-slot cache, warm",
 }
@@ -318,6 +328,18 @@ def _check_served(
     mode: str, results: Sequence[SessionResult], suffixes: Sequence[Sequence[int]], p: int
 ) -> None:
     """Every session must have prefilled what the mode says (else the numbers lie)."""
+    if mode == "auto":
+        # One session computes the prefix; every other one shares it.
+        computed = sum(r.cache_n < p for r in results)
+        pairs = zip(results, suffixes, strict=True)
+        shared = all(r.prompt_n <= len(s) for r, s in pairs if r.cache_n >= p)
+        if computed > 1 or not shared:
+            raise H.BenchError(
+                f"auto: {computed} of {len(results)} sessions prefilled the {p}-token prefix "
+                f"(prompt_n {[r.prompt_n for r in results]}, cache_n "
+                f"{[r.cache_n for r in results]}): automatic sharing did not happen"
+            )
+        return
     for r, s in zip(results, suffixes, strict=True):
         if mode in ("pool", "cache"):
             ok = r.cache_n >= p and r.prompt_n <= len(s)
@@ -379,6 +401,18 @@ def run_level(api: Api, spec: EngineSpec, wl: Workload, rep: int, k: int) -> lis
             )
         )
         log("pool", results, f"; pool created in {create_s:.2f} s")
+
+    if "auto" in spec.modes:
+        # No pool and empty slots: only the engine's automatic prefix sharing can help.
+        api.reset(N_PARALLEL)
+        bodies = [completion_body(prefix + s, cache_prompt=True) for s in sfx]
+        results, foreign = run_sessions(api, bodies)
+        _check_served("auto", results, sfx, p)
+        expected = p + sum(len(s) for s in sfx)
+        out.append(
+            _record(spec.key, rep, k, "auto", results, sfx, p, foreign, kv_state(api), expected)
+        )
+        log("auto", results)
 
     if "full" in spec.modes:
         api.reset(N_PARALLEL)
@@ -537,6 +571,9 @@ def model_shape(model: Path) -> dict[str, int]:
     """Layer count and width from the GGUF (for the attention-cost arithmetic)."""
     import llama_cpp.llama_cpp as C
 
+    from polykv_engine.llama.runtime import init_backend
+
+    init_backend()  # per-CPU ggml builds load their backend at run time, as the engine does
     if not _callbacks:  # libllama keeps a raw pointer: the callback must outlive the call
         _callbacks.append(C.llama_log_callback(_quiet_llama))
         C.llama_log_set(_callbacks[0], ctypes.c_void_p(0))
@@ -709,6 +746,11 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
                     row[field_] = _summ([x / y for x, y in warm]).as_dict()
             ttft_rows.append(row)
     out["targets"]["ttft"] = {"limit": TARGET_TTFT_RATIO, "rows": ttft_rows}
+    out["targets"]["auto"] = {
+        "kv_limit": AUTO_KV_RATIO,
+        "ttft_limit": AUTO_TTFT_RATIO,
+        "rows": _auto_targets(at, cfg.levels),
+    }
 
     # The arithmetic floor of that ratio: attention of S suffix tokens over P prefix keys
     # against the weights every token goes through, at perfect kernel efficiency.
@@ -744,6 +786,40 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
 
 def _fan_kv_bytes(f: dict[str, Any]) -> int:
     return _kv_bytes(f)
+
+
+def _auto_targets(
+    at: Callable[[str, str, int], list[dict[str, Any]]], levels: Sequence[int]
+) -> list[dict[str, Any]]:
+    """Automatic sharing (no pool) against the pool, per k, paired by repeat: KV bytes, and
+    the median first token against the pool's create + attach and against attach alone."""
+    rows = []
+    for k in levels:
+        pool = {r["rep"]: r for r in at("polykv", "pool", k)}
+        auto = {r["rep"]: r for r in at("polykv", "auto", k)}
+        reps = sorted(set(pool) & set(auto))
+        if not reps:
+            continue
+        kv = [_kv_bytes(auto[i]) / _kv_bytes(pool[i]) for i in reps]
+        t_auto = [statistics.median(auto[i]["ttft_ms"]) for i in reps]
+        t_attach = [statistics.median(pool[i]["ttft_ms"]) for i in reps]
+        t_pool = [1e3 * pool[i]["create_s"] + t for i, t in zip(reps, t_attach, strict=True)]
+        ttft = statistics.median(t_auto) / statistics.median(t_pool)
+        rows.append(
+            {
+                "k": k,
+                "kv_ratio": _summ(kv).as_dict(),
+                "kv_worst": max(kv),
+                "kv_met": max(kv) <= AUTO_KV_RATIO,
+                "ttft_over_pool_total": ttft,
+                "ttft_over_pool_total_paired": _summ(
+                    [a / b for a, b in zip(t_auto, t_pool, strict=True)]
+                ).as_dict(),
+                "ttft_over_attach": statistics.median(t_auto) / statistics.median(t_attach),
+                "ttft_met": ttft <= AUTO_TTFT_RATIO,
+            }
+        )
+    return rows
 
 
 # ---------------------------------------------------------------------------- report
@@ -784,8 +860,11 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         f"median over the k sessions (slowest in brackets), then median (min–max) of "
         f"{cfg.reps} repeats. *Per-slot cache, warm*: the turn after a no-sharing turn, "
         "`cache_prompt: true`, each slot reusing the prefix it already holds (a cold per-slot "
-        "cache is the no-sharing column: its slots are empty). *Split KV*: `--no-kv-unified "
-        "--polykv-max-pools 0`, each slot its own cell stream, llama-server's layout.",
+        "cache is the no-sharing column: its slots are empty). *Automatic sharing, no pool*: "
+        "`cache_prompt: true` on an engine with every slot and pool cleared; one session "
+        "prefills the prefix, the others wait for it and share its cells. *Split KV*: "
+        "`--no-kv-unified --polykv-max-pools 0`, each slot its own cell stream, "
+        "llama-server's layout.",
         "",
     ]
     split = any(k.startswith("split/") for k in cells)
@@ -794,6 +873,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         "suffix alone",
         "pool attach",
         "pool create (once)",
+        "automatic sharing, no pool",
         "no sharing",
         "per-slot cache, warm",
     ]
@@ -808,13 +888,15 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
                 f"[{_med(c(key, mode, k).get('ttft_ms_max'), 2, 1e-3, ' s')}]"
             )
         row.append(_fmt(c("polykv", "pool", k).get("create_s"), 2, unit=" s"))
-        keys = [("polykv", "full"), ("polykv", "cache")]
+        keys = [("polykv", "auto"), ("polykv", "full"), ("polykv", "cache")]
         if split:
             keys += [("split", "full"), ("split", "cache")]
         for key, mode in keys:
             cc = c(key, mode, k)
             row.append(
                 f"{_secs(cc.get('ttft_ms_median'))} [{_med(cc.get('ttft_ms_max'), 2, 1e-3, ' s')}]"
+                if cc
+                else "–"
             )
         rows.append(row)
     lines += ["Time to first token:", "", H.markdown_table(headers, rows), ""]
@@ -824,6 +906,8 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         "ideal (P + ΣSᵢ) × bytes/token",
         "pool attach",
         "÷ ideal",
+        "automatic sharing, no pool",
+        "automatic ÷ pool",
         "no sharing",
         "per-slot cache, warm",
         "no sharing ÷ pool",
@@ -843,12 +927,18 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             if pool
             else None
         )
+        auto = c("polykv", "auto", k)
         ratio = (full["kv_bytes"]["median"] / pool["kv_bytes"]["median"]) if pool and full else None
+        auto_ratio = (
+            auto["kv_bytes"]["median"] / pool["kv_bytes"]["median"] if pool and auto else None
+        )
         row = [
             str(k),
             f"{ideal / 1e6:.1f} MB" if ideal else "–",
             _med(pool.get("kv_bytes"), 1, 1e-6, " MB"),
             _med(pool.get("kv_over_ideal"), 4),
+            _med(auto.get("kv_bytes"), 1, 1e-6, " MB"),
+            f"{auto_ratio:.4f}×" if auto_ratio else "–",
             _med(full.get("kv_bytes"), 1, 1e-6, " MB"),
             _med(c("polykv", "cache", k).get("kv_bytes"), 1, 1e-6, " MB"),
             f"{ratio:.2f}×" if ratio else "–",
@@ -865,6 +955,14 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         H.markdown_table(headers, rows),
         "",
     ]
+    if any(k.startswith("polykv/auto/") for k in cells):
+        lines += [
+            "Automatic sharing can hold a little less than the pool: the session that computed "
+            "the prefix answers its one token before the waiting ones start, and one of them "
+            "reuses that finished session's slot (a prompt cache without a session id), "
+            "replacing its private suffix; the pool's sessions each keep theirs.",
+            "",
+        ]
 
     top = max(cfg.levels)
     uni, spl = c("polykv", "full", top), c("split", "full", top)
@@ -876,8 +974,8 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             "same KV bytes: in one unified cache every query scans all cells in use, masked, "
             "the other sessions' copies of the prefix included, while a split cache scans only "
             "its own stream. The same holds for the warm per-slot cache. Pools need the "
-            "unified cache, so traffic that does not attach to a pool pays this on a PolyKV "
-            "engine.",
+            "unified cache, so traffic that neither attaches to a pool nor shares its prefix "
+            "automatically (`cache_prompt: false`) pays this on a PolyKV engine.",
             "",
         ]
 
@@ -926,7 +1024,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         )
         rows.append(
             [
-                f"KV bytes ≤ {tg['kv']['limit']:.2f} × ideal ({what})",
+                f"issue 3: KV bytes ≤ {tg['kv']['limit']:.2f} × ideal ({what})",
                 f"{r['worst_ratio']:.4f} (worst repeat)",
                 "**met**" if r["met"] else "**missed**",
             ]
@@ -943,7 +1041,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         ]
         rows.append(
             [
-                f"attach first token ≤ {tg['ttft']['limit']:.1f} × suffix alone ({r['k']} "
+                f"issue 3: attach first token ≤ {tg['ttft']['limit']:.1f} × suffix alone ({r['k']} "
                 f"session{'s' if r['k'] > 1 else ''}, `{flags}`)",
                 f"{r['ratio_of_medians']:.2f}× (per repeat {r['paired']['min']:.2f}–"
                 f"{r['paired']['max']:.2f}×)"
@@ -951,7 +1049,28 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
                 "**met**" if r["met"] else "**missed**",
             ]
         )
-    lines += [H.markdown_table(["issue 3 target", "measured", "verdict"], rows), ""]
+    at_ = tg.get("auto") or {}
+    for r in at_.get("rows", []):
+        n = f"{r['k']} session{'s' if r['k'] != 1 else ''}"
+        rows.append(
+            [
+                f"issue 17: automatic sharing (no pool) KV ≤ {at_['kv_limit']:.2f} × pool ({n})",
+                f"{r['kv_worst']:.4f} (worst repeat)",
+                "**met**" if r["kv_met"] else "**missed**",
+            ]
+        )
+        paired = r["ttft_over_pool_total_paired"]
+        rows.append(
+            [
+                f"issue 17: automatic sharing first token ≤ {at_['ttft_limit']:.1f} × pool "
+                f"create + attach ({n})",
+                f"{r['ttft_over_pool_total']:.2f}× (per repeat {paired['min']:.2f}–"
+                f"{paired['max']:.2f}×); ÷ attach alone, prefix already resident: "
+                f"{r['ttft_over_attach']:.2f}×",
+                "**met**" if r["ttft_met"] else "**missed**",
+            ]
+        )
+    lines += [H.markdown_table(["target", "measured", "verdict"], rows), ""]
     fa_rows = []
     for k in cfg.levels:
         on_a, on_p = c("polykv-fa-on", "alone", k), c("polykv-fa-on", "pool", k)
