@@ -15,7 +15,9 @@ Order, for a new session (``gated=True``):
 A re-home (``gated=False``: a continuation the fleet admitted already) ignores ``can_admit``
 and orders by tiers 1, 2 and 3 only. Within a tier: the highest projected mean tps if one
 more joins (reservations taken into account), then the most headroom, then the lightest
-load, then the name (deterministic). Replicas that are not serving, or that lack the pool,
+load, then the name (deterministic). Projections are compared in bands a quarter apart: a
+replica's measured rate is noisy (a 10% wobble must not pile new sessions onto the busier
+replica), its headroom and load are not. Replicas that are not serving, or that lack the pool,
 are left out; when that leaves none but some serve, those are returned by load so that the
 engine's own answer (404 ``pool_not_found``) reaches the client.
 """
@@ -63,6 +65,16 @@ def _projected(cap: PoolCapacity, reserved: int) -> float:
     return cap.projected_tps * (n + 1) / (n + 1 + reserved)
 
 
+PROJECTION_BAND = 1.25  # projections within this ratio of each other rank as equal
+
+
+def _band(projected: float) -> float:
+    """Higher is better; an idle pool (inf) beats every band."""
+    if math.isinf(projected):
+        return math.inf
+    return float(math.floor(math.log(max(projected, 1e-9)) / math.log(PROJECTION_BAND)))
+
+
 def _tier(cap: PoolCapacity | None, reserved: int, gated: bool) -> int:
     if cap is None:
         return 1
@@ -92,7 +104,8 @@ def rank(
         cap = v.capacity
         if cap is None:
             return (_tier(None, r, gated), -math.inf, 0, v.load + r, v.name)
-        return (_tier(cap, r, gated), -_projected(cap, r), -(cap.headroom - r), v.load + r, v.name)
+        band = _band(_projected(cap, r))
+        return (_tier(cap, r, gated), -band, -(cap.headroom - r), v.load + r, v.name)
 
     return _last(avoid, [v.name for v in sorted(usable, key=key)])
 

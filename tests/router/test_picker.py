@@ -37,6 +37,14 @@ def test_higher_projected_tps_wins_then_headroom_then_load_then_name() -> None:
     assert rank(views, {}, gated=True) == ["c", "d", "e", "b", "a"]
 
 
+def test_projections_a_noise_apart_rank_as_equal() -> None:
+    # 33 vs 30 tok/s is noise: the lighter replica wins; 40 vs 30 is a real difference.
+    views = [view("busy", cap(projected=33.0, n=2), load=2), view("light", cap(projected=30.0))]
+    assert rank(views, {}, gated=True) == ["light", "busy"]
+    views = [view("busy", cap(projected=40.0, n=2), load=2), view("light", cap(projected=30.0))]
+    assert rank(views, {}, gated=True) == ["busy", "light"]
+
+
 def test_an_idle_pool_beats_any_projection() -> None:
     views = [view("a", cap(projected=500.0, n=1)), view("b", cap(projected=None))]
     assert rank(views, {}, gated=True) == ["b", "a"]
