@@ -154,3 +154,45 @@ def test_idle_caches_count_as_headroom(
             r = c.post("/completion", json={"prompt": f"floor pool then {i}", "n_predict": 4,
                                             "pool_id": "fl", "session_id": f"new-{i}"})  # fmt: skip
             assert r.status_code == 200, r.text
+
+
+def test_sessions_share_an_overloaded_engine_fairly(
+    start_engine: Callable[..., EngineProcess],
+) -> None:
+    """Six agents loop turns on two slots. A session whose turn ends queues its next one
+    behind the others (FIFO), so nobody monopolizes a slot by coming straight back:
+    counted in completed turns, not in time."""
+    eng = start_engine("-np", "2", "-c", "2048", "--metrics")
+    n_sessions, total_turns = 6, 36
+    done: dict[str, int] = {f"fair-{i}": 0 for i in range(n_sessions)}
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def agent(session: str) -> None:
+        with httpx.Client(base_url=eng.base_url, timeout=300) as c:
+            turn = 0
+            while not stop.is_set():
+                body = {"prompt": f"{session} turn {turn}", "n_predict": 12, "ignore_eos": True,
+                        "temperature": 0, "session_id": session}  # fmt: skip
+                r = c.post("/completion", json=body)
+                if r.status_code != 200:
+                    errors.append(r.text)
+                    return
+                turn += 1
+                with lock:
+                    done[session] += 1
+                    if sum(done.values()) >= total_turns:
+                        stop.set()
+
+    threads = [threading.Thread(target=agent, args=(s,)) for s in done]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    turns = list(done.values())
+    # Jain's fairness index: 1.0 when every session got the same number of turns.
+    jain = sum(turns) ** 2 / (len(turns) * sum(t * t for t in turns))
+    print(f"fairness: turns per session {sorted(turns)}, Jain index {jain:.3f}")
+    assert jain >= 0.9 and min(turns) >= max(turns) // 2, done
