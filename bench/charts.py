@@ -7,6 +7,7 @@ under the benchmark's table.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,57 @@ def ramp(data: Mapping[str, Any], out_dir: Path, labels: Mapping[str, str]) -> l
     axes[0, 0].legend(loc="upper right", fontsize=8)
     axes[-1, 0].set_xlabel("seconds into the run")
     return [_save(fig, out_dir / "spawn_ramp.png")]
+
+
+def first_token_per_agent(
+    data: Mapping[str, Any],
+    out_dir: Path,
+    filename: str,
+    labels: Mapping[str, str],
+    arrivals: Mapping[str, str],
+) -> list[Path]:
+    """Shared prefix: each agent's time to first token (median over the repetitions, min–max
+    as a band), one series per server; a row of panels per model, a column per arrival."""
+    runs: Sequence[dict[str, Any]] = data.get("shared_runs") or []
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    cols = [a for a in arrivals if any(r["arrival"] == a for r in runs)]
+    if not models or not cols:
+        return []
+    cfg = data.get("config") or {}
+    ticks = range(1, max(len(r["agents"]) for r in runs) + 1)
+    fig, axes = plt.subplots(
+        len(models), len(cols), figsize=(5.2 * len(cols), 3.4 * len(models)), squeeze=False
+    )
+    for row, model in enumerate(models):
+        for col, arrival in enumerate(cols):
+            ax = axes[row, col]
+            for key, label in labels.items():
+                mine = [
+                    r
+                    for r in runs
+                    if r["model"] == model and r["arrival"] == arrival and r["server"] == key
+                ]
+                if not mine:
+                    continue
+                n = min(len(r["agents"]) for r in mine)
+                x = list(range(1, n + 1))
+                per = [sorted(float(r["agents"][i]["ttft_s"]) for r in mine) for i in range(n)]
+                med = [statistics.median(v) for v in per]
+                (line,) = ax.plot(x, med, marker="o", ms=3.5, lw=1.2, label=label)
+                if len(mine) > 1:
+                    lo, hi = [v[0] for v in per], [v[-1] for v in per]
+                    ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
+            title = arrivals[arrival]
+            if arrival == "staggered" and cfg.get("stagger_s"):
+                title += f" (one agent every {cfg['stagger_s']:g} s)"
+            ax.set_title(f"{model}: {title}", fontsize=9, loc="left")
+            ax.set_xlabel("agent (in arrival order)")
+            ax.set_ylabel("time to first token (s, log)")
+            ax.set_yscale("log")  # the servers can differ tenfold and more
+            ax.set_xticks(list(ticks))
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0, 0].legend(loc="best", fontsize=8)
+    return [_save(fig, out_dir / filename)]
 
 
 def _save(fig: Any, path: Path) -> Path:

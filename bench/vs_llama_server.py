@@ -15,19 +15,41 @@ HTTP responsiveness: while 8 streams decode, a probe asks for one token every 0.
 ninth slot; its time to first token (p50, p99) shows whether spinning threads starve the
 server's own event loop.
 
-    python -m bench.vs_llama_server [--reps 3] [--quick]
+Shared prefix (second section, issue 17): 8 agents whose prompts start with the same
+~1.9k-token prefix and end in short distinct suffixes, each asking for one short greedy
+answer, on a cold server: llama-server as it comes (a fresh process per run: its slots and
+its host-memory prompt cache empty; its own prompt-cache defaults, read from its ``--help``
+and recorded), PolyKV with automatic prefix sharing (no pool) and PolyKV with the prefix
+resident as a pool created beforehand (timed apart) and attached by ``pool_id`` (the engine
+with every slot erased and every pool released before each run). Two arrival patterns:
+*fan-out*, all 8 released at one instant, and *staggered*, one agent every 0.5 s. Per agent
+the client measures the time to its first token; after the run, KV cells in use (PolyKV: the
+engine's own count; llama-server: the tokens each slot holds, its slots share nothing) and
+the prompt tokens each server computed. ``--reps`` repetitions in rotated server order;
+ratios are paired per repetition. A chart of first-token time per agent is drawn beside the
+results.
+
+llama-server is built (once, cached) by ``bench/build_llama_server.sh``; where that fails
+(no compiler, no network for the sdist), the benchmark says so and skips.
+
+    python -m bench.vs_llama_server [--reps 3] [--sections decode,shared] [--quick]
+    python -m bench.vs_llama_server --from-json bench/results/vs_llama_server.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import json
+import os
 import random
+import re
 import statistics
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,11 +57,38 @@ from typing import Any
 import httpx
 
 from . import harness as H
+from .pool_sharing import Api, word_text
 
 NAME = "vs_llama_server"
 LEVELS = (1, 2, 4, 8)
 N_SLOTS = 9  # 8 streams + the responsiveness probe
 CTX = 9 * 1024
+SECTIONS = ("decode", "shared")
+# Shared-prefix section: one slot per agent; llama-server splits -c evenly across its slots
+# (an explicit -np turns its unified KV off), so each of its slots gets SLOT_CTX cells,
+# room for the prefix, a suffix and the answer. The engine gets the same -np and -c (one
+# unified cache).
+AGENTS = 8
+SLOT_CTX = 2304
+SHARED_CTX = AGENTS * SLOT_CTX
+SHARED_PREFIX_TOKENS = 1900
+ARRIVALS = ("fanout", "staggered")
+ARRIVAL_LABELS = {"fanout": "fan-out", "staggered": "staggered"}
+SHARED_SERVERS = ("llama_server", "polykv_auto", "polykv_pool")
+SHARED_LABELS = {
+    "llama_server": "llama-server",
+    "polykv_auto": "PolyKV, automatic sharing",
+    "polykv_pool": "PolyKV, pool attached",
+}
+# llama-server options whose defaults decide what it reuses between requests.
+CACHE_FLAGS = (
+    "--cache-prompt",
+    "--cache-ram",
+    "--cache-idle-slots",
+    "--cache-reuse",
+    "--slot-prompt-similarity",
+    "--kv-unified",
+)
 _WORDS = (  # noqa: SIM905
     "the river city morning light garden window story old friend quiet market winter "
     "train letter music road table house evening summer child teacher paper bridge"
@@ -54,6 +103,10 @@ class Config:
     models: tuple[str, ...] = ("bench", "smollm2-135m-instruct-q4_1")
     levels: tuple[int, ...] = LEVELS
     probe_interval_s: float = 0.3
+    sections: tuple[str, ...] = SECTIONS
+    shared_prefix_tokens: int = SHARED_PREFIX_TOKENS
+    stagger_s: float = 0.5
+    answer_tokens: int = 16
 
 
 @dataclass
@@ -77,13 +130,83 @@ def model_path(name: str) -> Path:
     return real_model_path(name)
 
 
+def llama_server_binary() -> tuple[str | None, str]:
+    """(path, "") of the llama-server built by bench/build_llama_server.sh (cached after the
+    first build), or (None, why) where it cannot be built here."""
+    script = H.REPO_ROOT / "bench" / "build_llama_server.sh"
+    H.progress("llama-server: bench/build_llama_server.sh (about 10 minutes the first time)")
+    try:
+        done = subprocess.run([str(script)], capture_output=True, text=True, check=False)
+    except OSError as exc:
+        return None, f"{script.name} could not run: {exc}"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines or not Path(lines[-1]).is_file():
+        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+        return None, f"{script.name} exited with {done.returncode}:\n{tail}"
+    return lines[-1], ""
+
+
+def _ls_env(binary: str) -> dict[str, str]:
+    return {"LD_LIBRARY_PATH": str(Path(binary).parent)}  # its own OpenMP default
+
+
+def help_defaults(help_text: str, flags: Sequence[str]) -> dict[str, str]:
+    """The ``(default: ...)`` each flag's entry in a ``--help`` listing states (up to the first
+    comma), "" where an entry states none, absent where the flag is not listed."""
+    entries: list[list[str]] = []
+    for line in help_text.splitlines():
+        if line[:1] not in ("", " "):
+            entries.append([line])
+        elif entries:
+            entries[-1].append(line)
+    out: dict[str, str] = {}
+    for entry in entries:
+        names = []
+        for word in entry[0].split():  # "-sps,  --slot-prompt-similarity SIMILARITY  how ..."
+            if word.startswith("-"):
+                names.append(word.rstrip(","))
+            elif not word.isupper():  # a metavariable (N, FNAME) goes on; the text stops
+                break
+        text = " ".join(part.strip() for part in entry)
+        found = re.search(r"\(default: ([^,)]*)", text)
+        for flag in flags:
+            if flag in names:
+                out[flag] = found.group(1).strip() if found else ""
+    return out
+
+
+def llama_server_info(binary: str) -> dict[str, Any]:
+    """The build's version line and the defaults of its caching options."""
+
+    def run(*args: str) -> str:
+        done = subprocess.run(
+            [binary, *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **_ls_env(binary)},
+            timeout=60,
+            check=False,
+        )
+        return done.stdout + done.stderr
+
+    version = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in run("--version").splitlines()
+            if ln.startswith("version:")
+        ),
+        "?",
+    )
+    return {
+        "binary": binary,
+        "version": version,
+        "defaults": help_defaults(run("--help"), CACHE_FLAGS),
+    }
+
+
 @contextlib.contextmanager
-def servers(model: Path, cfg: Config) -> Iterator[list[Server]]:
+def servers(model: Path, cfg: Config, binary: str) -> Iterator[list[Server]]:
     common = ["-np", str(N_SLOTS), "-c", str(CTX), "-t", str(cfg.threads), "-fa", "off"]
-    binary = subprocess.run(
-        [str(H.REPO_ROOT / "bench" / "build_llama_server.sh")],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip().splitlines()[-1]  # fmt: skip
     with contextlib.ExitStack() as stack:
         out = []
         ls = H.ServerProcess(
@@ -100,7 +223,7 @@ def servers(model: Path, cfg: Config) -> Iterator[list[Server]]:
                 "--no-webui",
             ],
             "/health",
-            env={"LD_LIBRARY_PATH": str(Path(binary).parent)},  # its own OpenMP default
+            env=_ls_env(binary),
         )
         stack.enter_context(H.server(ls))
         out.append(Server("llama_server", "llama-server", ls.base_url))
@@ -173,27 +296,264 @@ def one_level(srv: Server, cfg: Config, model: str, rep: int, k: int) -> dict[st
     }
 
 
-def measure(cfg: Config) -> dict[str, Any]:
-    raw: dict[str, Any] = {"env": H.environment(), "runs": []}
+# ---------------------------------------------------------------------------- shared prefix
+
+
+@dataclass(frozen=True, slots=True)
+class Agents:
+    """One repetition's prompts: the prefix every agent shares and a short suffix each."""
+
+    prefix: list[int]
+    suffixes: list[list[int]]
+
+    def prompt(self, i: int) -> list[int]:
+        return self.prefix + self.suffixes[i]
+
+
+def make_agents(api: Api, model: str, rep: int, prefix_tokens: int) -> Agents:
+    """Token lists through the engine's tokenizer (both servers load the same model)."""
+    head = "Instructions shared by every agent of this team. "
+    prefix = api.tokenize(head + word_text(f"{model}/prefix", prefix_tokens), add_special=True)
+    if len(prefix) < prefix_tokens:
+        raise H.BenchError(f"prefix text gave only {len(prefix)} tokens")
+    suffixes = [
+        api.tokenize(
+            f" Agent {i + 1}, your task: {word_text(f'{model}/{rep}/{i}', 12)}. Answer:",
+            add_special=False,
+        )
+        for i in range(AGENTS)
+    ]
+    return Agents(prefix[:prefix_tokens], suffixes)
+
+
+def agent_body(prompt: Sequence[int], n: int, pool: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt": list(prompt),
+        "n_predict": n,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "cache_prompt": True,
+    }
+    if pool is not None:
+        body["pool_id"] = pool
+    return body
+
+
+def agent_turn(
+    client: httpx.Client, base: str, body: dict[str, Any], delay: float
+) -> dict[str, Any]:
+    """One agent: wait ``delay`` after the release, send, stream the answer."""
+    t_release = time.perf_counter()
+    time.sleep(delay)
+    t_send = time.perf_counter()
+    t_first = 0.0
+    tokens: list[int] = []
+    final: dict[str, Any] = {}
+    for now, ev in H.sse_events(client, f"{base}/completion", body):
+        if ev.get("tokens"):
+            t_first = t_first or now
+            tokens += ev["tokens"]
+        if ev.get("stop"):
+            final = ev
+    t_done = time.perf_counter()
+    timings = final.get("timings") or {}
+    if not t_first or not timings:
+        raise H.BenchError(f"{base}: an agent got no token or no final event: {final}")
+    if len(tokens) != body["n_predict"]:
+        raise H.BenchError(f"{base}: {len(tokens)} tokens streamed, {body['n_predict']} asked")
+    return {
+        "sent_s": t_send - t_release,
+        "ttft_s": t_first - t_send,
+        "done_s": t_done - t_release,
+        "prompt_tokens": len(body["prompt"]),
+        "prompt_n": int(timings["prompt_n"]),
+        "cache_n": int(timings["cache_n"]),
+        "id_slot": final.get("id_slot"),
+        "tokens_cached": final.get("tokens_cached"),
+        "tokens": tokens,
+    }
+
+
+def release_agents(
+    client: httpx.Client,
+    base: str,
+    pid: int,
+    agents: Agents,
+    cfg: Config,
+    arrival: str,
+    pool: str | None = None,
+) -> dict[str, Any]:
+    """All agents, released together (fan-out) or one every ``stagger_s`` (staggered)."""
+    step = cfg.stagger_s if arrival == "staggered" else 0.0
+    fns = [
+        functools.partial(
+            agent_turn,
+            client,
+            base,
+            agent_body(agents.prompt(i), cfg.answer_tokens, pool),
+            i * step,
+        )
+        for i in range(AGENTS)
+    ]
+    with H.CpuWatch([pid]) as cpu:
+        results = H.run_together(fns, lambda: None)
+    return {"agents": results, "foreign_cpu_cores": cpu.foreign_cores}
+
+
+def warm_up(client: httpx.Client, base: str) -> None:
+    """One tiny request (no shared tokens with the agents) before anything is timed."""
+    body = {"prompt": "Hello", "n_predict": 1, "cache_prompt": False}
+    r = client.post(f"{base}/completion", json=body)
+    if r.status_code != 200:
+        raise H.BenchError(f"{base}: warm-up -> {r.status_code}: {r.text[:300]}")
+
+
+def llama_server_run(
+    client: httpx.Client, binary: str, model: Path, cfg: Config, agents: Agents, arrival: str
+) -> dict[str, Any]:
+    """A fresh llama-server per run: no slot and no host-memory prompt cache holds anything."""
+    ls = H.ServerProcess(
+        "llama-server-shared",
+        [
+            binary,
+            "-m",
+            str(model),
+            "-np",
+            str(AGENTS),
+            "-c",
+            str(SHARED_CTX),
+            "-t",
+            str(cfg.threads),
+            "-fa",
+            "off",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            "--no-webui",
+        ],
+        "/health",
+        env=_ls_env(binary),
+    )
+    with H.server(ls):
+        warm_up(client, ls.base_url)
+        run = release_agents(client, ls.base_url, ls.pid, agents, cfg, arrival)
+    # Its slots share no cells: KV in use is what each slot holds after its last agent.
+    held: dict[int, int] = {}
+    for a in sorted(run["agents"], key=lambda a: a["done_s"]):
+        held[int(a["id_slot"])] = int(a["tokens_cached"])
+    return {**run, "kv_cells": sum(held.values()), "kv_source": "tokens held per slot"}
+
+
+def polykv_run(
+    api: Api, cfg: Config, agents: Agents, arrival: str, pool: str | None
+) -> dict[str, Any]:
+    """On an engine with every slot erased and every pool released (checked)."""
+    api.reset(AGENTS)
+    create_s = None
+    if pool is not None:
+        created, create_s = api.create_pool(pool, agents.prefix)
+        if created["prefix_len"] != len(agents.prefix):
+            raise H.BenchError(f"pool prefix_len {created['prefix_len']} != {len(agents.prefix)}")
+    run = release_agents(api.client, api.base_url, api.pid, agents, cfg, arrival, pool)
+    if pool is not None and any(a["cache_n"] < len(agents.prefix) for a in run["agents"]):
+        raise H.BenchError(f"an agent attached to {pool} prefilled the prefix again")
+    kv = api.pools()
+    api.reset(AGENTS)
+    return {
+        **run,
+        "kv_cells": int(kv["kv_cells_used"]),
+        "kv_source": "engine",
+        "create_s": create_s,
+    }
+
+
+def measure_shared(cfg: Config, binary: str, model: str, raw: dict[str, Any]) -> None:
+    path = model_path(model)
+    args = [
+        "-np",
+        str(AGENTS),
+        "-c",
+        str(SHARED_CTX),
+        "-t",
+        str(cfg.threads),
+        "-fa",
+        "off",
+        "--metrics",
+    ]
+    with H.http_client() as client, H.engine("polykv-shared", path, args) as eng:
+        assert eng.proc is not None
+        api = Api(client, eng.base_url, eng.proc.pid)
+        warm_up(client, api.base_url)
+        raw["shared_models"][model] = {
+            "kv_bytes_per_token": int(api.pools()["kv_bytes_per_token"]),
+            "prefix_tokens": cfg.shared_prefix_tokens,
+        }
+        for rep in range(cfg.reps):
+            agents = make_agents(api, model, rep, cfg.shared_prefix_tokens)
+            i = rep % len(SHARED_SERVERS)
+            order = SHARED_SERVERS[i:] + SHARED_SERVERS[:i]
+            for arrival in ARRIVALS:
+                for key in order:
+                    if key == "llama_server":
+                        run = llama_server_run(client, binary, path, cfg, agents, arrival)
+                    else:
+                        pool = f"agents-{rep}-{arrival}" if key == "polykv_pool" else None
+                        run = polykv_run(api, cfg, agents, arrival, pool)
+                    ttft = [a["ttft_s"] for a in run["agents"]]
+                    H.progress(
+                        f"{model} rep {rep + 1}/{cfg.reps} {arrival:<9} {SHARED_LABELS[key]:<26} "
+                        f"first token median {statistics.median(ttft):6.2f} s, slowest "
+                        f"{max(ttft):6.2f} s, KV {run['kv_cells']} cells"
+                    )
+                    raw["shared_runs"].append(
+                        {
+                            "model": model,
+                            "rep": rep,
+                            "arrival": arrival,
+                            "server": key,
+                            "prefix_tokens": len(agents.prefix),
+                            "suffix_tokens": [len(x) for x in agents.suffixes],
+                            **run,
+                        }
+                    )
+
+
+# ---------------------------------------------------------------------------- the benchmark
+
+
+def measure(cfg: Config, binary: str) -> dict[str, Any]:
+    raw: dict[str, Any] = {
+        "env": H.environment(),
+        "llama_server": llama_server_info(binary),
+        "shared_models": {},
+        "runs": [],
+        "shared_runs": [],
+    }
     for model in cfg.models:
-        path = model_path(model)
-        H.progress(f"{model}: starting llama-server and two engines")
-        with servers(path, cfg) as srvs:
-            for rep in range(cfg.reps):
-                order = srvs[rep % len(srvs) :] + srvs[: rep % len(srvs)]
-                for k in cfg.levels:
-                    for srv in order:
-                        H.progress(f"{model} rep {rep + 1}/{cfg.reps} k={k} {srv.label}")
-                        r = one_level(srv, cfg, model, rep, k)
-                        raw["runs"].append({"model": model, "rep": rep, "k": k,
-                                            "server": srv.key, **r})  # fmt: skip
+        if "decode" in cfg.sections:
+            path = model_path(model)
+            H.progress(f"{model}: starting llama-server and two engines")
+            with servers(path, cfg, binary) as srvs:
+                for rep in range(cfg.reps):
+                    order = srvs[rep % len(srvs) :] + srvs[: rep % len(srvs)]
+                    for k in cfg.levels:
+                        for srv in order:
+                            H.progress(f"{model} rep {rep + 1}/{cfg.reps} k={k} {srv.label}")
+                            r = one_level(srv, cfg, model, rep, k)
+                            raw["runs"].append({"model": model, "rep": rep, "k": k,
+                                                "server": srv.key, **r})  # fmt: skip
+        if "shared" in cfg.sections:
+            H.progress(f"{model}: shared prefix, {AGENTS} agents")
+            measure_shared(cfg, binary, model, raw)
     return raw
 
 
-def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
+def analyse_decode(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
     runs = raw["runs"]
     out: dict[str, Any] = {}
-    for model in cfg.models:
+    for model in dict.fromkeys(r["model"] for r in runs):
         rows: dict[str, Any] = {}
         for k in cfg.levels:
 
@@ -230,8 +590,96 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
-    env = raw["env"]
+def _ttfts(run: Mapping[str, Any]) -> list[float]:
+    return [float(a["ttft_s"]) for a in run["agents"]]
+
+
+def per_agent_ttft(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
+    """Agent by agent (in arrival order): median, min and max first-token time over runs."""
+    n = min((len(r["agents"]) for r in runs), default=0)
+    out = []
+    for i in range(n):
+        values = [float(r["agents"][i]["ttft_s"]) for r in runs]
+        out.append({"median": statistics.median(values), "min": min(values), "max": max(values)})
+    return out
+
+
+def analyse_shared(raw: dict[str, Any]) -> dict[str, Any]:
+    """Per model and arrival: each server's first-token times, prompt tokens computed and KV,
+    and against llama-server (paired by repetition): how many times sooner the median and
+    the slowest agent's first token came, how many times less KV, how many same answers."""
+    runs: list[dict[str, Any]] = raw.get("shared_runs") or []
+    out: dict[str, Any] = {}
+    for model in dict.fromkeys(r["model"] for r in runs):
+        bpt = int(raw["shared_models"][model]["kv_bytes_per_token"])
+        per_arrival: dict[str, Any] = {}
+        for arrival in ARRIVALS:
+
+            def of(key: str, model: str = model, arrival: str = arrival) -> list[dict[str, Any]]:
+                return sorted(
+                    (
+                        r
+                        for r in runs
+                        if r["model"] == model and r["arrival"] == arrival and r["server"] == key
+                    ),
+                    key=lambda r: r["rep"],
+                )
+
+            ls = {r["rep"]: r for r in of("llama_server")}
+            row: dict[str, Any] = {}
+            for key in SHARED_SERVERS:
+                rs = of(key)
+                if not rs:
+                    continue
+                cell: dict[str, Any] = {
+                    "ttft_s_median": H.summarize(
+                        [statistics.median(_ttfts(r)) for r in rs]
+                    ).as_dict(),
+                    "ttft_s_max": H.summarize([max(_ttfts(r)) for r in rs]).as_dict(),
+                    "prompt_tokens_computed": H.summarize(
+                        [sum(a["prompt_n"] for a in r["agents"]) for r in rs]
+                    ).as_dict(),
+                    "kv_cells": H.summarize([r["kv_cells"] for r in rs]).as_dict(),
+                    "kv_bytes": H.summarize([r["kv_cells"] * bpt for r in rs]).as_dict(),
+                    "per_agent_ttft_s": per_agent_ttft(rs),
+                    "foreign_cpu_cores": H.summarize(
+                        [r["foreign_cpu_cores"] for r in rs]
+                    ).as_dict(),
+                }
+                if key == "polykv_pool":
+                    cell["create_s"] = H.summarize([r["create_s"] for r in rs]).as_dict()
+                pairs = [(ls[r["rep"]], r) for r in rs if r["rep"] in ls]
+                if key != "llama_server" and pairs:
+                    cell["sooner_median"] = H.summarize(
+                        [
+                            statistics.median(_ttfts(a)) / statistics.median(_ttfts(b))
+                            for a, b in pairs
+                        ]
+                    ).as_dict()
+                    cell["sooner_slowest"] = H.summarize(
+                        [max(_ttfts(a)) / max(_ttfts(b)) for a, b in pairs]
+                    ).as_dict()
+                    cell["less_kv"] = H.summarize(
+                        [a["kv_cells"] / b["kv_cells"] for a, b in pairs]
+                    ).as_dict()
+                    same = [
+                        x["tokens"] == y["tokens"]
+                        for a, b in pairs
+                        for x, y in zip(a["agents"], b["agents"], strict=True)
+                    ]
+                    cell["same_answers"] = sum(same)
+                    cell["compared"] = len(same)
+                row[key] = cell
+            per_arrival[arrival] = row
+        out[model] = per_arrival
+    return out
+
+
+def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
+    return {"decode": analyse_decode(cfg, raw), "shared": analyse_shared(raw)}
+
+
+def render_decode(cfg: Config, res: dict[str, Any]) -> list[str]:
     parts = [
         "### Plain decode against upstream llama-server",
         "",
@@ -275,6 +723,112 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         if probe:
             parts += ["", "Probe during 8 streams — " + "; ".join(probe) + "."]
         parts.append("")
+    return parts
+
+
+def _s(d: Mapping[str, Any] | None, digits: int = 2, unit: str = "") -> str:
+    """median (min–max) of a summary dict; "–" where there is none."""
+    return H.Summary(tuple(d["values"])).fmt(digits, unit=unit) if d else "–"
+
+
+def render_shared(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> list[str]:
+    info = raw.get("llama_server") or {}
+    defaults = info.get("defaults") or {}
+    stated = "; ".join(f"`{flag}`: {value or '(none stated)'}" for flag, value in defaults.items())
+    parts = [
+        "### Shared prefix against upstream llama-server",
+        "",
+        f"{AGENTS} agents on one {cfg.shared_prefix_tokens}-token prefix (BOS first), each with "
+        "its own short suffix, each asking for "
+        f"{cfg.answer_tokens} greedy tokens (EOS ignored, `cache_prompt: true`); every run on "
+        "a cold server. *Fan-out*: all agents released at one instant; *staggered*: one agent "
+        f"every {cfg.stagger_s:g} s. Servers: llama-server "
+        f"({info.get('version', '?')}, built by `bench/build_llama_server.sh`) started afresh "
+        "for every run (empty slots, empty host-memory prompt cache) with its own OpenMP wait "
+        "policy and its caching defaults"
+        + (f" ({stated})" if stated else "")
+        + "; PolyKV with automatic prefix sharing, no pool; PolyKV with the prefix as a pool, "
+        "created before the agents (its time apart, not in theirs) and attached by "
+        "`pool_id`. PolyKV runs start with every slot erased and every pool released. "
+        f"Both: `-np {AGENTS} -c {SHARED_CTX} -t {cfg.threads} -fa off`; llama-server splits "
+        f"that context into {SLOT_CTX} cells per slot (an explicit `-np` turns its unified KV "
+        "off), the engine keeps one unified cache. First token: measured by the client from "
+        f"each agent's own send; median (min–max) of {cfg.reps} repetitions in rotated server "
+        "order, ratios paired per repetition. *Prompt tokens computed*: the servers' own "
+        "`prompt_n`, summed over the agents. *KV in use* after the run: PolyKV's cell count; "
+        "llama-server's slots share no cells, so the tokens each slot holds after its last "
+        "agent, times the same bytes/token (same model, f16 K and V).",
+        "",
+    ]
+    for model, per_arrival in res.items():
+        bpt = raw["shared_models"][model]["kv_bytes_per_token"]
+        parts += [f"**{model}**", ""]
+        table = []
+        for arrival, row in per_arrival.items():
+            for key, cell in row.items():
+                table.append(
+                    [
+                        ARRIVAL_LABELS[arrival],
+                        SHARED_LABELS[key],
+                        _s(cell["ttft_s_median"], unit=" s"),
+                        _s(cell["ttft_s_max"], unit=" s"),
+                        "–"
+                        if "sooner_median" not in cell
+                        else f"{cell['sooner_median']['median']:.1f}× / "
+                        f"{cell['sooner_slowest']['median']:.1f}×",
+                        f"{cell['prompt_tokens_computed']['median']:,.0f}",
+                        f"{cell['kv_cells']['median']:,.0f} cells, "
+                        f"{cell['kv_cells']['median'] * bpt / 1e6:.1f} MB",
+                        "–" if "less_kv" not in cell else f"{cell['less_kv']['median']:.1f}×",
+                    ]
+                )
+        parts.append(
+            H.markdown_table(
+                [
+                    "arrival",
+                    "server",
+                    "first token, median agent",
+                    "slowest agent",
+                    "sooner than llama-server (median agent / slowest)",
+                    "prompt tokens computed",
+                    "KV in use",
+                    "less KV than llama-server",
+                ],
+                table,
+            )
+        )
+        created = [
+            f"{_s(row['polykv_pool']['create_s'], unit=' s')} ({ARRIVAL_LABELS[arrival]})"
+            for arrival, row in per_arrival.items()
+            if "create_s" in row.get("polykv_pool", {})
+        ]
+        if created:
+            parts += ["", "Pool creation, once before the agents: " + ", ".join(created) + "."]
+        same: dict[str, list[int]] = {}
+        for row in per_arrival.values():
+            for key, cell in row.items():
+                if "same_answers" in cell:
+                    tally = same.setdefault(key, [0, 0])
+                    tally[0] += cell["same_answers"]
+                    tally[1] += cell["compared"]
+        if same:
+            parts += [
+                "",
+                "Greedy answers equal to llama-server's, agent by agent: "
+                + "; ".join(f"{SHARED_LABELS[k]} {a}/{b}" for k, (a, b) in same.items())
+                + ".",
+            ]
+        parts.append("")
+    return parts
+
+
+def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
+    env = raw["env"]
+    parts: list[str] = []
+    if res.get("decode"):
+        parts += render_decode(cfg, res["decode"])
+    if res.get("shared"):
+        parts += render_shared(cfg, raw, res["shared"])
     parts.append(
         f"{env['cpu']}, {env['cpu_count']} cores; load average at start "
         f"{env['loadavg_at_start'][0]:.2f}. Commit {env['git_commit']}, {env['date_utc']}; "
@@ -283,17 +837,87 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def chart(data: Mapping[str, Any], out_dir: Path) -> list[Path]:
+    if not data.get("shared_runs"):
+        return []
+    from . import charts  # matplotlib only where charts are drawn
+
+    return charts.first_token_per_agent(
+        data, out_dir, f"{NAME}_shared_prefix.png", SHARED_LABELS, ARRIVAL_LABELS
+    )
+
+
+def _sections(text: str) -> tuple[str, ...]:
+    chosen = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not chosen or set(chosen) - set(SECTIONS):
+        raise argparse.ArgumentTypeError(f"sections: a comma-separated subset of {SECTIONS}")
+    return tuple(x for x in SECTIONS if x in chosen)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m bench.{NAME}", description=__doc__)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--n-predict", type=int, default=128)
     p.add_argument("--models", default="bench,smollm2-135m-instruct-q4_1")
-    H.add_output_flags(p)
+    p.add_argument("--sections", type=_sections, default=SECTIONS, help="decode,shared")
+    p.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=SHARED_PREFIX_TOKENS,
+        help="shared section: the agents' common prefix",
+    )
+    p.add_argument("--stagger-s", type=float, default=0.5, help="staggered arrivals: the gap")
+    H.add_output_flags(p, rerender=True)
     args = p.parse_args(argv)
-    cfg = Config(reps=args.reps, n_predict=args.n_predict, models=tuple(args.models.split(",")))
+    if args.from_json:
+        return rerender(args.from_json, publish=not args.no_publish, readme=not args.no_readme)
+    cfg = Config(
+        reps=args.reps,
+        n_predict=args.n_predict,
+        models=tuple(args.models.split(",")),
+        sections=args.sections,
+        shared_prefix_tokens=args.prefix_tokens,
+        stagger_s=args.stagger_s,
+    )
     if args.quick:
-        cfg = Config(reps=1, n_predict=16, models=cfg.models, levels=(1, 8))
-    return H.run_and_publish(NAME, cfg, args, measure, analyse, render)
+        cfg.reps, cfg.n_predict, cfg.levels = 1, 16, (1, 8)
+        cfg.shared_prefix_tokens, cfg.stagger_s, cfg.answer_tokens = 400, 0.2, 8
+    if cfg.reps < 1 or not 200 <= cfg.shared_prefix_tokens <= SLOT_CTX - 200:
+        p.error(f"--reps must be >= 1 and --prefix-tokens in 200..{SLOT_CTX - 200}")
+    binary, why = llama_server_binary()
+    if binary is None:
+        H.progress(f"SKIPPED {NAME}: llama-server cannot be built on this machine. {why}")
+        print(f"{NAME}: skipped, llama-server cannot be built here (see stderr)")
+        return 0
+    return H.run_and_publish(
+        NAME,
+        cfg,
+        args,
+        lambda c: measure(c, binary),
+        analyse,
+        render,
+        bulky=("runs", "shared_runs"),
+        charts=chart,
+    )
+
+
+def rerender(path: Path, publish: bool, readme: bool) -> int:
+    """Tables and chart from an earlier measurement (its environment and commit as recorded)."""
+    data = json.loads(path.read_text())
+    conf = dict(data["config"])
+    for key in ("models", "levels", "sections"):
+        if key in conf:
+            conf[key] = tuple(conf[key])
+    cfg = Config(**conf)
+    raw = {k: data.get(k) for k in ("env", "llama_server", "shared_models", "runs", "shared_runs")}
+    raw["runs"] = raw["runs"] or []
+    res = analyse(cfg, raw)
+    table = render(cfg, raw, res)
+    if publish:
+        data["summary"] = res
+        H.publish(NAME, data, table, readme=H.README if readme else None, charts=chart)
+    print(table)
+    return 0
 
 
 if __name__ == "__main__":
