@@ -50,6 +50,8 @@ from .direct_decode import direct_decode_ms
 NAME = "decode_scaling"
 LEVELS = (1, 2, 4, 8)
 VARIANT_LEVELS = (1, 8)
+REAL_MODEL = "smollm2-135m-instruct-q4_1"
+REAL_LEVELS = (1, 4, 8)
 N_PARALLEL = 8
 MAX_POOLS = 16  # the engine's default; its context has N_PARALLEL + MAX_POOLS sequence ids
 CTX = 4096
@@ -404,6 +406,9 @@ class Config:
     variant_levels: tuple[int, ...] = VARIANT_LEVELS  # () skips the engine variants
     baseline: bool = True
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    # A real quantized instruction model beside the bench model ("" skips it).
+    real_model: str = REAL_MODEL
+    real_levels: tuple[int, ...] = REAL_LEVELS
 
     def engine_args(self, fa: str = "off", threads: int | None = None) -> list[str]:
         return [
@@ -424,7 +429,7 @@ class Config:
 
     def baseline_args(self, python: str, model: Path) -> list[str]:
         return [
-            *(python, "-m", "llama_cpp.server", "--model", str(model)),
+            *(python, str(H.REPO_ROOT / "bench" / "llama_cpp_server_dl.py"), "--model", str(model)),
             *("--host", "127.0.0.1", "--port", "{port}", "--n_ctx", str(CTX)),
             *("--n_threads", str(self.threads), "--n_threads_batch", str(self.threads)),
             *("--n_batch", "2048", "--n_ubatch", "512", "--flash_attn", "false"),
@@ -481,6 +486,36 @@ def measure(cfg: Config) -> dict[str, Any]:
             targets.append(
                 (LlamaCppServer("llama-cpp", label, base.base_url, base.pid, eog), cfg.levels)
             )
+        if cfg.real_model:
+            real = H.real_model(cfg.real_model)
+            eng_r = stack.enter_context(H.engine("polykv-real", real, cfg.engine_args()))
+            assert eng_r.proc is not None
+            targets.append(
+                (
+                    PolyKV("polykv-real", "PolyKV, real model", eng_r.base_url, eng_r.proc.pid),
+                    cfg.real_levels,
+                )
+            )
+            if cfg.baseline:
+                base_r = stack.enter_context(
+                    H.server(
+                        H.ServerProcess(
+                            "llama-cpp-server-real",
+                            cfg.baseline_args(python, real),
+                            "/v1/models",
+                            env=H.SERVER_ENV,
+                        )
+                    )
+                )
+                label = "llama-cpp-python server, real model"
+                targets.append(
+                    (
+                        LlamaCppServer(
+                            "llama-cpp-real", label, base_r.base_url, base_r.pid, eog_tokens(real)
+                        ),
+                        cfg.real_levels,
+                    )
+                )
         for key, flags, args in cfg.variants():
             var = stack.enter_context(H.engine(key, model, args))
             assert var.proc is not None
@@ -581,6 +616,16 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
             r = paired("polykv", k, "llama-cpp", k, field_)
             if r is not None:
                 out["ratios"][f"polykv_over_llama-cpp/{field_}/{k}"] = r.as_dict()
+    for k in cfg.real_levels:
+        sc = paired("polykv-real", k, "polykv-real", min(cfg.real_levels), "decode_tps")
+        if sc is not None:
+            out["ratios"][f"polykv-real/scaling/{k}"] = sc.as_dict()
+        sc = paired("llama-cpp-real", k, "llama-cpp-real", min(cfg.real_levels), "decode_tps")
+        if sc is not None:
+            out["ratios"][f"llama-cpp-real/scaling/{k}"] = sc.as_dict()
+        r = paired("polykv-real", k, "llama-cpp-real", k, "decode_tps")
+        if r is not None:
+            out["ratios"][f"polykv-real_over_llama-cpp-real/decode_tps/{k}"] = r.as_dict()
     for key, _, _ in cfg.variants():
         for k in cfg.variant_levels:
             r = paired(key, k, "polykv", k, "decode_tps")
@@ -693,6 +738,29 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             ]
         )
     lines += [H.markdown_table(headers, rows), ""]
+    real = lv.get("polykv-real", {})
+    if real:
+        base_r = lv.get("llama-cpp-real", {})
+        lines += [
+            f"The same on a real quantized instruction model, `{cfg.real_model}` "
+            "(SmolLM2-135M-Instruct, Q4_1, from PyPI via `polykv-fetch-model`):",
+            "",
+        ]
+        rows = []
+        for k in cfg.real_levels:
+            e, b = real.get(str(k), {}), base_r.get(str(k), {})
+            rows.append(
+                [
+                    str(k),
+                    _fmt(e.get("decode_tps")),
+                    _med(ra.get(f"polykv-real/scaling/{k}"), 2, "×"),
+                    _fmt(b.get("decode_tps")),
+                    _med(ra.get(f"llama-cpp-real/scaling/{k}"), 2, "×"),
+                    _fmt(ra.get(f"polykv-real_over_llama-cpp-real/decode_tps/{k}"), 2, unit="×"),
+                    f"{_med(e.get('ttft_ms_max'), 0)} / {_med(b.get('ttft_ms_max'), 0)}",
+                ]
+            )
+        lines += [H.markdown_table([*headers[:6], headers[7]], rows), ""]
 
     lines += [
         "PolyKV engine step, while exactly k sessions decode (deltas of `/metrics` counters "
@@ -863,6 +931,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-variants", action="store_true", help="skip the engine variants")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="-t for both servers")
     p.add_argument("--no-baseline", action="store_true", help="skip llama-cpp-python's server")
+    p.add_argument(
+        "--real-model",
+        default=REAL_MODEL,
+        help=f"a polykv-fetch-model name measured beside the bench model ('' skips; {REAL_MODEL})",
+    )
     H.add_output_flags(p)
     args = p.parse_args(argv)
     cfg = Config(
@@ -872,9 +945,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         variant_levels=() if args.no_variants else args.variant_levels,
         baseline=not args.no_baseline,
         threads=args.threads,
+        real_model=args.real_model,
     )
     if args.quick:
         cfg.reps, cfg.n_predict, cfg.levels, cfg.variant_levels = 1, 24, (1, 2), (1,)
+        cfg.real_levels = (1, 2)
     if cfg.reps < 1 or cfg.n_predict < 16:
         p.error("--reps must be >= 1 and --n-predict >= 16")
     if 1 not in cfg.levels:

@@ -39,9 +39,11 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     import llama_cpp.llama_cpp as C
 
+    from polykv_engine.llama.runtime import init_backend
+
+    init_backend()  # the per-CPU backend modules of the portable wheel, as the engine loads them
     _callbacks.append(C.llama_log_callback(_quiet_llama))
     C.llama_log_set(_callbacks[-1], ctypes.c_void_p(0))
-    C.llama_backend_init()
     model = C.llama_model_load_from_file(str(args.model).encode(), C.llama_model_default_params())
     if not model:
         raise H.BenchError(f"cannot load {args.model}")

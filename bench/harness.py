@@ -226,6 +226,13 @@ def bench_model() -> Path:
     return DEFAULT_MODEL
 
 
+def real_model(name: str) -> Path:
+    """A real GGUF by its polykv-fetch-model name (fetched into the user cache once)."""
+    from polykv_engine.fetch_model import ensure
+
+    return ensure(name)
+
+
 def file_digest(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -491,10 +491,12 @@ class Engine:
 
     @property
     def _auto_share(self) -> bool:
-        """Sharing cells between sequences is only sound where pools are (a plain KV cache:
-        no sliding window recycling cells, no recurrent state)."""
+        """Sharing cells between sequences is only sound where pools are (one unified KV
+        cache: a split cache gives every slot its own cells, so nothing can be shared; no
+        sliding window recycling cells, no recurrent state)."""
         info = self.rt.info
-        return self.cfg.auto_share and not (info.n_swa > 0 or info.is_recurrent or info.is_hybrid)
+        plain = not (info.n_swa > 0 or info.is_recurrent or info.is_hybrid)
+        return self.cfg.auto_share and self.rt.cfg.kv_unified and plain
 
     def _resident_prefix(self, slot: Slot | None, prompt: list[int]) -> tuple[int, int]:
         """(sequence id, P): the resident sequence other than ``slot`` whose cells hold the

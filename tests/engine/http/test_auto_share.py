@@ -73,3 +73,18 @@ def test_cache_prompt_false_opts_out(client: httpx.Client) -> None:
     ask(client, " one", "opt-a")
     body = {"prompt": PREFIX + " two", "n_predict": 2, "cache_prompt": False, "session_id": "opt-b"}
     assert client.post("/completion", json=body).json()["timings"]["cache_n"] == 0
+
+
+def test_a_split_cache_never_shares_and_never_breaks(
+    start_engine: Callable[..., EngineProcess],
+) -> None:
+    # Each slot owns its cells on a split cache: agents released together on one prefix each
+    # compute it (as llama-server does) instead of crashing the engine on a partial copy.
+    eng = start_engine("-np", "4", "-c", "8192", "--no-kv-unified", "--polykv-max-pools", "0")
+    with httpx.Client(base_url=eng.base_url, timeout=120) as c:
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda i: ask(c, f" Agent {i} asks?", f"split-{i}"), range(4)))
+        assert all(r["timings"]["cache_n"] == 0 for r in results)
+        assert c.get("/health").status_code == 200
+        again = ask(c, " Agent 0 asks?", "split-0")  # its own slot's cache still serves it
+        assert again["timings"]["cache_n"] > 0
