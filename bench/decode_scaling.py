@@ -948,7 +948,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         real_model=args.real_model,
     )
     if args.quick:
-        cfg.reps, cfg.n_predict, cfg.levels, cfg.variant_levels = 1, 24, (1, 2), (1,)
+        cfg.reps, cfg.n_predict, cfg.levels = 1, 24, (1, 2)
+        cfg.variant_levels = (1,) if cfg.variant_levels else ()
         cfg.real_levels = (1, 2)
     if cfg.reps < 1 or cfg.n_predict < 16:
         p.error("--reps must be >= 1 and --n-predict >= 16")

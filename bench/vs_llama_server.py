@@ -3,8 +3,9 @@ streams, on the bench model and a real quantized instruction model, side by side
 
 llama-server is built from the llama.cpp tree vendored in the pinned llama-cpp-python sdist
 (``bench/build_llama_server.sh``), with the same portable CPU build, so both servers run the
-same kernels. The engine runs twice, once per OpenMP wait policy (passive: idle compute
-threads sleep at every barrier; active: they spin), to decide the default by measurement.
+same kernels. The engine runs three times, once per OpenMP wait policy (passive: idle
+compute threads sleep at every barrier; default: libgomp's, a short spin then sleep, as
+llama-server runs; active: they spin), to decide the engine's default by measurement.
 Every repetition visits the servers in a rotated order, and the tokens each server produced
 for the same greedy prompt are compared.
 
@@ -60,6 +61,11 @@ from . import harness as H
 from .pool_sharing import Api, word_text
 
 NAME = "vs_llama_server"
+# ggml's OpenMP threads at barriers: sleep at once, libgomp's default (spin briefly, then
+# sleep: what llama-server runs with), spin. The engine's default is chosen from this table.
+OMP_POLICIES = ("passive", "default", "active")
+POLYKV_KEYS = tuple(f"polykv_{p}" for p in OMP_POLICIES)
+OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 LEVELS = (1, 2, 4, 8)
 N_SLOTS = 9  # 8 streams + the responsiveness probe
 CTX = 9 * 1024
@@ -125,9 +131,7 @@ def prompt(model: str, rep: int, k: int, i: int) -> str:
 def model_path(name: str) -> Path:
     if name == "bench":
         return H.bench_model()
-    from tests.conftest import real_model_path
-
-    return real_model_path(name)
+    return H.real_model(name)
 
 
 def llama_server_binary() -> tuple[str | None, str]:
@@ -207,6 +211,8 @@ def llama_server_info(binary: str) -> dict[str, Any]:
 @contextlib.contextmanager
 def servers(model: Path, cfg: Config, binary: str) -> Iterator[list[Server]]:
     common = ["-np", str(N_SLOTS), "-c", str(CTX), "-t", str(cfg.threads), "-fa", "off"]
+    for var in OMP_VARS:  # children inherit no wait policy: each server runs its own default
+        os.environ.pop(var, None)
     with contextlib.ExitStack() as stack:
         out = []
         ls = H.ServerProcess(
@@ -227,11 +233,12 @@ def servers(model: Path, cfg: Config, binary: str) -> Iterator[list[Server]]:
         )
         stack.enter_context(H.server(ls))
         out.append(Server("llama_server", "llama-server", ls.base_url))
-        for policy in ("passive", "active"):
+        for policy in OMP_POLICIES:
+            # The engine's own knob, with any inherited OMP_WAIT_POLICY removed, so "default"
+            # really is libgomp's default.
+            env = {"POLYKV_OMP_WAIT_POLICY": policy}
             eng = stack.enter_context(
-                H.engine(
-                    f"polykv-{policy}", model, [*common, "--metrics"], {"OMP_WAIT_POLICY": policy}
-                )
+                H.engine(f"polykv-{policy}", model, [*common, "--metrics"], env)
             )
             out.append(Server(f"polykv_{policy}", f"PolyKV ({policy} threads)", eng.base_url))
         yield out
@@ -534,7 +541,7 @@ def measure(cfg: Config, binary: str) -> dict[str, Any]:
     for model in cfg.models:
         if "decode" in cfg.sections:
             path = model_path(model)
-            H.progress(f"{model}: starting llama-server and two engines")
+            H.progress(f"{model}: starting llama-server and {len(OMP_POLICIES)} engines")
             with servers(path, cfg, binary) as srvs:
                 for rep in range(cfg.reps):
                     order = srvs[rep % len(srvs) :] + srvs[: rep % len(srvs)]
@@ -566,13 +573,13 @@ def analyse_decode(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
 
             row: dict[str, Any] = {}
             ls = of("llama_server", "decode_tps")
-            for key in ("llama_server", "polykv_passive", "polykv_active"):
+            for key in ("llama_server", *POLYKV_KEYS):
                 row[key] = H.summarize(of(key, "decode_tps")).as_dict()
-            for key in ("polykv_passive", "polykv_active"):
+            for key in POLYKV_KEYS:
                 paired = [a / b for a, b in zip(of(key, "decode_tps"), ls, strict=True)]
                 row[f"{key}_ratio"] = H.summarize(paired).as_dict()
             if k == max(cfg.levels):
-                for key in ("llama_server", "polykv_passive", "polykv_active"):
+                for key in ("llama_server", *POLYKV_KEYS):
                     probes = [p for ps in of(key, "probe_ttft_s") for p in ps]
                     if probes:
                         row[f"{key}_probe"] = {
@@ -696,24 +703,25 @@ def render_decode(cfg: Config, res: dict[str, Any]) -> list[str]:
         parts.append(f"**{model}**")
         parts.append("")
         table = []
+        keys = [k for k in POLYKV_KEYS if k in next(iter(rows.values()))]
         for k, row in rows.items():
             table.append([
                 k,
                 H.Summary(tuple(row["llama_server"]["values"])).fmt(0),
-                H.Summary(tuple(row["polykv_passive"]["values"])).fmt(0),
-                H.Summary(tuple(row["polykv_active"]["values"])).fmt(0),
-                H.Summary(tuple(row["polykv_passive_ratio"]["values"])).fmt(2, unit="×"),
-                H.Summary(tuple(row["polykv_active_ratio"]["values"])).fmt(2, unit="×"),
+                *(H.Summary(tuple(row[key]["values"])).fmt(0) for key in keys),
+                *(H.Summary(tuple(row[f"{key}_ratio"]["values"])).fmt(2, unit="×") for key in keys),
                 f"{row['identical_tokens']}/{row['compared']}",
             ])  # fmt: skip
+        names = [key.removeprefix("polykv_") for key in keys]
         parts.append(H.markdown_table(
-            ["streams", "llama-server tok/s", "PolyKV passive tok/s", "PolyKV active tok/s",
-             "passive ÷ llama-server", "active ÷ llama-server", "same tokens"],
+            ["streams", "llama-server tok/s", *(f"PolyKV {n} tok/s" for n in names),
+             *(f"{n} ÷ llama-server" for n in names), "same tokens"],
             table,
         ))  # fmt: skip
         top = rows[str(max(cfg.levels))]
-        labels = {"llama_server": "llama-server", "polykv_passive": "PolyKV passive",
-                  "polykv_active": "PolyKV active"}  # fmt: skip
+        labels = {"llama_server": "llama-server"} | {
+            key: f"PolyKV {key.removeprefix('polykv_')}" for key in keys
+        }
         probe = [
             f"{label}: p50 {top[f'{key}_probe']['p50'] * 1e3:.0f} ms, "
             f"p99 {top[f'{key}_probe']['p99'] * 1e3:.0f} ms ({top[f'{key}_probe']['n']} probes)"

@@ -28,9 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Must be set before libllama (and its OpenMP runtime) is loaded: busy-waiting worker threads
-# starve the HTTP thread on small machines.
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+# How ggml's OpenMP compute threads wait at barriers, set before libllama (and its OpenMP
+# runtime) loads. POLYKV_OMP_WAIT_POLICY: passive (sleep at once), active (spin), or default
+# (libgomp's own: spin briefly, then sleep; what llama-server runs with). An explicit
+# OMP_WAIT_POLICY wins. The default is chosen by measurement (bench/vs_llama_server.py).
+# (The imports below come after this on purpose.)
+# ruff: noqa: E402
+OMP_POLICY_DEFAULT = "passive"
+OMP_POLICY = os.environ.get("POLYKV_OMP_WAIT_POLICY", OMP_POLICY_DEFAULT)
+if OMP_POLICY != "default":
+    os.environ.setdefault("OMP_WAIT_POLICY", OMP_POLICY)
 
 import llama_cpp.llama_cpp as C
 import numpy as np
@@ -165,11 +172,12 @@ def init_backend() -> BackendInfo:
         variant = tag.group(1) if tag else "native"
     _backend = BackendInfo(variant, library, features, _extra_buffer_types(lib), info)
     log.info(
-        "ggml CPU backend: %s (%s); features: %s; extra buffer types: %s",
+        "ggml CPU backend: %s (%s); features: %s; extra buffer types: %s; OpenMP wait: %s",
         variant or "built in",
         library or "linked into libggml",
         " ".join(k for k, v in features.items() if v == "1") or "none",
         ", ".join(_backend.extra_buffer_types) or "none",
+        os.environ.get("OMP_WAIT_POLICY") or "libgomp default (spin, then sleep)",
     )
     return _backend
 
