@@ -623,9 +623,10 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
         sc = paired("llama-cpp-real", k, "llama-cpp-real", min(cfg.real_levels), "decode_tps")
         if sc is not None:
             out["ratios"][f"llama-cpp-real/scaling/{k}"] = sc.as_dict()
-        r = paired("polykv-real", k, "llama-cpp-real", k, "decode_tps")
-        if r is not None:
-            out["ratios"][f"polykv-real_over_llama-cpp-real/decode_tps/{k}"] = r.as_dict()
+        for field_ in ("decode_tps", "e2e_tps"):
+            r = paired("polykv-real", k, "llama-cpp-real", k, field_)
+            if r is not None:
+                out["ratios"][f"polykv-real_over_llama-cpp-real/{field_}/{k}"] = r.as_dict()
     for key, _, _ in cfg.variants():
         for k in cfg.variant_levels:
             r = paired(key, k, "polykv", k, "decode_tps")
@@ -688,11 +689,31 @@ def _med(d: dict[str, Any] | None, digits: int = 2, unit: str = "") -> str:
     return "–" if not d else f"{d['median']:.{digits}f}{unit}"
 
 
+def _versus(res: dict[str, Any], levels: Sequence[int], e_key: str, b_key: str) -> list[list[str]]:
+    """Rows of the PolyKV-against-baseline table for one model."""
+    eng, base, ra = res["levels"].get(e_key, {}), res["levels"].get(b_key, {}), res["ratios"]
+    rows = []
+    for k in levels:
+        e, b = eng.get(str(k), {}), base.get(str(k), {})
+        rows.append(
+            [
+                str(k),
+                _fmt(e.get("decode_tps")),
+                _med(ra.get(f"{e_key}/scaling/{k}"), 2, "×"),
+                _fmt(b.get("decode_tps")),
+                _med(ra.get(f"{b_key}/scaling/{k}"), 2, "×"),
+                _fmt(ra.get(f"{e_key}_over_{b_key}/decode_tps/{k}"), 2, unit="×"),
+                _med(ra.get(f"{e_key}_over_{b_key}/e2e_tps/{k}"), 2, "×"),
+                f"{_med(e.get('ttft_ms_max'), 0)} / {_med(b.get('ttft_ms_max'), 0)}",
+            ]
+        )
+    return rows
+
+
 def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     lv = res["levels"]
     ra = res["ratios"]
     eng = lv.get("polykv", {})
-    base = lv.get("llama-cpp", {})
     env = raw["env"]
     prompt_tokens = sorted(
         f["prompt_n"] + f["cache_n"]
@@ -722,45 +743,17 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         "same, end-to-end",
         "first token, slowest session (ms): PolyKV / llama-cpp-python",
     ]
-    rows = []
-    for k in cfg.levels:
-        e, b = eng.get(str(k), {}), base.get(str(k), {})
-        rows.append(
-            [
-                str(k),
-                _fmt(e.get("decode_tps")),
-                _med(ra.get(f"polykv/scaling/{k}"), 2, "×"),
-                _fmt(b.get("decode_tps")),
-                _med(ra.get(f"llama-cpp/scaling/{k}"), 2, "×"),
-                _fmt(ra.get(f"polykv_over_llama-cpp/decode_tps/{k}"), 2, unit="×"),
-                _med(ra.get(f"polykv_over_llama-cpp/e2e_tps/{k}"), 2, "×"),
-                f"{_med(e.get('ttft_ms_max'), 0)} / {_med(b.get('ttft_ms_max'), 0)}",
-            ]
-        )
-    lines += [H.markdown_table(headers, rows), ""]
-    real = lv.get("polykv-real", {})
-    if real:
-        base_r = lv.get("llama-cpp-real", {})
+    lines += [H.markdown_table(headers, _versus(res, cfg.levels, "polykv", "llama-cpp")), ""]
+    if lv.get("polykv-real"):
         lines += [
             f"The same on a real quantized instruction model, `{cfg.real_model}` "
             "(SmolLM2-135M-Instruct, Q4_1, from PyPI via `polykv-fetch-model`):",
             "",
+            H.markdown_table(
+                headers, _versus(res, cfg.real_levels, "polykv-real", "llama-cpp-real")
+            ),
+            "",
         ]
-        rows = []
-        for k in cfg.real_levels:
-            e, b = real.get(str(k), {}), base_r.get(str(k), {})
-            rows.append(
-                [
-                    str(k),
-                    _fmt(e.get("decode_tps")),
-                    _med(ra.get(f"polykv-real/scaling/{k}"), 2, "×"),
-                    _fmt(b.get("decode_tps")),
-                    _med(ra.get(f"llama-cpp-real/scaling/{k}"), 2, "×"),
-                    _fmt(ra.get(f"polykv-real_over_llama-cpp-real/decode_tps/{k}"), 2, unit="×"),
-                    f"{_med(e.get('ttft_ms_max'), 0)} / {_med(b.get('ttft_ms_max'), 0)}",
-                ]
-            )
-        lines += [H.markdown_table([*headers[:6], headers[7]], rows), ""]
 
     lines += [
         "PolyKV engine step, while exactly k sessions decode (deltas of `/metrics` counters "
