@@ -20,6 +20,10 @@ class Config:
     """Where /metrics is served; None: not served."""
     master_key: str = ""
     """Secret from which every engine's admin key is derived."""
+    priority: int | None = None
+    """Peering priority of this replica; None: drawn at random (two replicas never tie)."""
+    peering_lifetime_s: int = 20
+    """Seconds after its last keep-alive that a silent peer is presumed dead (failover)."""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Config:
@@ -29,10 +33,13 @@ class Config:
         if not key and key_file:
             key = Path(key_file).read_text().strip()
         port = e.get("POLYKV_OPERATOR_METRICS_PORT")
+        priority = e.get("POLYKV_OPERATOR_PRIORITY")
         return cls(
             poll_interval_s=float(e.get("POLYKV_OPERATOR_POLL_INTERVAL", "5")),
             metrics_port=int(port) if port else None,
             master_key=key,
+            priority=int(priority) if priority else None,
+            peering_lifetime_s=int(e.get("POLYKV_OPERATOR_PEERING_LIFETIME", "20")),
         )
 
     def require_master_key(self) -> str:

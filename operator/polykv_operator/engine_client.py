@@ -2,7 +2,8 @@
 
 Two kinds of failure, because the operator reacts differently: `EngineUnreachable` (no
 answer, a timeout, a 5xx, still loading: try again later, never assume the pool is gone)
-and `EngineRejected` (a 4xx: the engine understood and said no). A refusal carries the
+and `EngineRejected` (a 4xx, or a 5xx carrying one of the engine's refusal codes such as
+`kv_full`, `queue_full` or `pools_disabled`: the engine answered and said no). A refusal carries the
 engine's machine-readable `reason` (one of `polykv_api.models.Reason`); programs match that,
 never the `message`, whose wording is for people and may change between engine versions.
 """
@@ -45,6 +46,13 @@ STATUS_REASONS: dict[int, wire.Reason] = {
 }
 
 
+# A 5xx with one of these codes is an answer, not a failure to answer: the engine is up and
+# refuses (503 kv_full / queue_full: busy now; 501 pools_disabled: never on this engine).
+REFUSALS_5XX: frozenset[str] = frozenset({"kv_full", "queue_full", "pools_disabled"})
+# Refusals that say nothing about the request: asked again at the next round.
+TRANSIENT: frozenset[str] = frozenset({"kv_full", "queue_full"})
+
+
 class EngineRejected(EngineError):
     """A 4xx answer: `status`, the engine's `reason` code, error `type` and `message`.
 
@@ -69,6 +77,11 @@ class EngineRejected(EngineError):
     def capacity(self) -> bool:
         """No free pool sequence id: the engine holds as many pools as it can."""
         return self.reason == "seq_ids_exhausted"
+
+    @property
+    def transient(self) -> bool:
+        """Busy now (KV or queue full): the same request may succeed later."""
+        return self.reason in TRANSIENT
 
 
 class EngineClient:
@@ -102,7 +115,8 @@ class EngineClient:
                 )
             except httpx.HTTPError as exc:
                 raise EngineUnreachable(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
-            if resp.status_code >= 500 or resp.status_code in (401, 403):
+            refusal = resp.status_code >= 500 and _error(resp)[2] in REFUSALS_5XX
+            if (resp.status_code >= 500 and not refusal) or resp.status_code in (401, 403):
                 # 401/403: our key is not (yet) the replica's; nothing we send can work.
                 raise EngineUnreachable(f"HTTP {resp.status_code}: {_error(resp)[0]}")
             if resp.status_code >= 400:
@@ -137,6 +151,10 @@ class EngineClient:
                 return False
             raise
         return True
+
+    async def evict(self, ref: str) -> wire.PoolStatus:
+        """Drop the pool's KV but keep it: the next attach or fork re-materializes it."""
+        return await self._call("POST", f"/polykv/pools/{ref}/evict", wire.PoolStatus, op="evict")
 
     async def set_admission(self, ref: str, policy: wire.AdmissionPolicy) -> wire.PoolStatus:
         return await self._call(

@@ -1,5 +1,6 @@
 """A small async Kubernetes client for the writes kopf does not do for us (owned objects,
-pod readiness gates, deleting child pools), on the credentials kopf logged in with.
+pod readiness gates, deleting child pools, the status the engine loops write), on the
+credentials kopf logged in with.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ PATHS = {
     ("v1", "Service"): "/api/v1/namespaces/{ns}/services",
     ("apps/v1", "Deployment"): "/apis/apps/v1/namespaces/{ns}/deployments",
 }
-POOLS = "/apis/polykv.io/v1alpha1/namespaces/{ns}/polykvpools"
+OURS = "/apis/polykv.io/v1alpha1/namespaces/{ns}/{plural}"
+POOLS = OURS.replace("{plural}", "polykvpools")
 
 
 class KubeError(Exception):
@@ -86,6 +88,15 @@ class Kube:
             await self._req("PATCH", path, {"status": {"conditions": [cond]}}, STRATEGIC)
         except KubeError as exc:
             if exc.status != 404:  # the pod went away meanwhile
+                raise
+
+    async def patch_status(self, namespace: str, plural: str, name: str, patch: Obj) -> None:
+        """Merge-patch the status of one of our objects; one that is gone is not an error."""
+        path = f"{OURS.format(ns=namespace, plural=plural)}/{name}/status"
+        try:
+            await self._req("PATCH", path, {"status": patch}, MERGE)
+        except KubeError as exc:
+            if exc.status != 404:
                 raise
 
     async def delete_pool(self, namespace: str, name: str) -> None:

@@ -56,10 +56,13 @@ class EngineFigures:
         pools: int,
         mean_active_tps: float | None,
         floor_pressure: float | None,
+        unmanaged_pools: int = 0,
+        orphaned_pins: int = 0,
     ) -> None:
         self.namespace, self.engine = namespace, engine
         self.replicas, self.synced, self.pools = replicas, synced, pools
         self.mean_active_tps, self.floor_pressure = mean_active_tps, floor_pressure
+        self.unmanaged_pools, self.orphaned_pins = unmanaged_pools, orphaned_pins
 
 
 class FleetCollector(Collector):
@@ -91,16 +94,28 @@ class FleetCollector(Collector):
             "Highest admission floor over the engine's pools divided by mean active tps",
             labels=labels,
         )
+        unmanaged = GaugeMetricFamily(
+            "polykv_engine_unmanaged_pools",
+            "Pools on the replicas that no PolyKVPool declares (made through the engine API)",
+            labels=labels,
+        )
+        orphaned = GaugeMetricFamily(
+            "polykv_engine_orphaned_pins",
+            "Undeclared pools pinned with no sessions and no children (KV nobody releases)",
+            labels=labels,
+        )
         for f in self.figures():
             key = [f.namespace, f.engine]
             replicas.add_metric(key, f.replicas)
             synced.add_metric(key, f.synced)
             pools.add_metric(key, f.pools)
+            unmanaged.add_metric(key, f.unmanaged_pools)
+            orphaned.add_metric(key, f.orphaned_pins)
             if f.mean_active_tps is not None:
                 tps.add_metric(key, f.mean_active_tps)
             if f.floor_pressure is not None:
                 pressure.add_metric(key, f.floor_pressure)
-        yield from (replicas, synced, pools, tps, pressure)
+        yield from (replicas, synced, pools, tps, pressure, unmanaged, orphaned)
 
 
 def serve(port: int) -> None:
@@ -132,6 +147,8 @@ def figures(fleet: Fleet) -> list[EngineFigures]:
                 pools=len([r for r in state.renders.values() if isinstance(r, Render)]),
                 mean_active_tps=state.mean_active_tps,
                 floor_pressure=floor,
+                unmanaged_pools=state.unmanaged_pools,
+                orphaned_pins=state.orphaned_pins,
             )
         )
     return out

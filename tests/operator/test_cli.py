@@ -60,10 +60,11 @@ def test_handler_ids_are_stable() -> None:
     ids = set(json.loads(out.stdout))
     assert {
         "apply_engine",
-        "engine_round",
+        "engine_loop",
         "forget_engine",
         "link_parent",
-        "pool_status",
+        "pool_labels/metadata.labels",
+        "policy_event",
         "release_pool",
         "policy_status",
         "engine_pod_event",

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from . import admission, pool
+from . import admission, engine, pool
 from .admission import AdmissionPolicySpec, AdmissionPolicyStatus
 from .engine import PolyKVEngineSpec, PolyKVEngineStatus
 from .meta import GROUP
@@ -62,6 +62,7 @@ ENGINE = Kind(
         _ready_column(),
         AGE,
     ),
+    spec_rules=tuple(engine.SPEC_RULES),
     scale={
         "specReplicasPath": ".spec.replicas",
         "statusReplicasPath": ".status.replicas",
