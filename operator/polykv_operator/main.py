@@ -52,6 +52,7 @@ from .engine_round import (
     serve,
     write_pool_statuses,
 )
+from .faults import crash_point
 from .fleet import EngineState, Fleet, ReplicaRef, replica_changed
 from .kube import Kube
 from .names import ENGINE_LABEL, FINALIZER, PREFIX
@@ -308,6 +309,7 @@ async def apply_engine(
         # Secrets are merge-patched: the operator may not read them, only write them.
         what = await kube.apply(namespace, obj, strategic=obj["kind"] != "Secret")
         logger.info(f"{obj['kind']} {obj['metadata']['name']} {what}")
+        crash_point(f"{obj['kind'].lower()}-applied")
 
 
 @kopf.on.delete(GROUP, VERSION, ENGINE.plural, optional=True)
@@ -465,6 +467,7 @@ async def link_parent(
     refs = list(body.meta.get("ownerReferences") or [])
     if not any(r.get("uid") == found.uid for r in refs):
         patch.metadata["ownerReferences"] = [*refs, parent_owner_reference(found)]
+        crash_point("pool-linked")
 
 
 @kopf.on.update(GROUP, VERSION, POOL.plural, field="metadata.labels")

@@ -81,9 +81,10 @@ def test_crash_point_kills_only_at_its_count() -> None:
 
     code = (
         "from polykv_operator.faults import crash_point\n"
-        "crash_point('other'); crash_point('p'); print('alive', flush=True); crash_point('p')\n"
+        "crash_point('polled'); crash_point('rendered'); print('alive', flush=True); "
+        "crash_point('rendered')\n"
         "print('not reached')\n"
     )
-    env = {"POLYKV_OPERATOR_CRASH_AT": "p:2", "PATH": "/usr/bin:/bin"}
+    env = {"POLYKV_OPERATOR_CRASH_AT": "rendered:2", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == -9 and out.stdout == "alive\n"

@@ -160,3 +160,13 @@ def test_an_upward_import_and_a_cycle_would_be_caught() -> None:
     g = {"tree": {"engine_round"}, "engine_round": {"tree"}}
     assert upward(g) == ["tree (pure) imports engine_round (I/O)"]
     assert cycles(g) == ["engine_round -> tree -> engine_round"]
+
+
+def test_every_crash_point_is_in_the_code() -> None:
+    """The fault test walks faults.POINTS; a point no handler reaches would pass silently."""
+    from polykv_operator.faults import POINTS
+
+    src = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py") if p.name != "faults.py")
+    for point in POINTS:
+        kind = point.removesuffix("-applied")
+        assert f'"{point}"' in src or (point.endswith("-applied") and kind in src.lower()), point

@@ -124,6 +124,14 @@ class Operator:
     def stop(self) -> None:
         self.runs[-1].stop()
 
+    def stop_all(self) -> None:
+        """Every run this test started, whatever state it is in (a no-op for dead ones)."""
+        for run in self.runs:
+            run.stop()
+
+    def alive(self) -> bool:
+        return self.runs[-1].proc.alive()
+
     def log(self) -> str:
         return "".join(r.log() for r in self.runs)
 
@@ -144,21 +152,24 @@ def operator(
         yield op
         assert not re.search(r"forbidden", op.log(), re.IGNORECASE), forbidden_lines(op.log())
     finally:
-        # Leave nothing behind for the namespace controller to wait on: pools release
-        # through their finalizer while the operator still runs.
-        if not op.runs[-1].proc.alive():
-            op.start()
-        k8s_cluster.kubectl(
-            "delete",
-            "polykvpools,admissionpolicies,polykvengines",
-            "--all",
-            "-n",
-            namespace,
-            "--timeout=60s",
-            check=False,
-        )
-        op.stop()
-        print(f"operator logs: {tmp_path}")
+        try:
+            # Leave nothing behind for the namespace controller to wait on: pools release
+            # through their finalizer while the operator still runs.
+            if not op.alive():
+                op.start()
+            k8s_cluster.kubectl(
+                "delete",
+                "polykvpools,admissionpolicies,polykvengines",
+                "--all",
+                "-n",
+                namespace,
+                "--timeout=60s",
+                check=False,
+                timeout_s=90,
+            )
+        finally:
+            op.stop_all()  # pass, fail or a teardown that timed out: no operator outlives it
+            print(f"operator logs: {tmp_path}")
 
 
 def forbidden_lines(text: str) -> str:
