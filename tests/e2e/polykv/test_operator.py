@@ -104,16 +104,20 @@ class Operator:
         self.runs: list[OperatorProcess] = []
         self.metrics_port = free_port()
 
-    def start(self, **extra: str) -> Operator:
+    def start(
+        self, kubeconfig: Path | None = None, peering: str | None = None, **extra: str
+    ) -> Operator:
         env = {
-            "KUBECONFIG": str(self.kubeconfig),
+            "KUBECONFIG": str(kubeconfig or self.kubeconfig),
             "POLYKV_OPERATOR_MASTER_KEY": MASTER,
             "POLYKV_OPERATOR_POLL_INTERVAL": "0.5",
             "POLYKV_OPERATOR_METRICS_PORT": str(self.metrics_port),
             **extra,
         }
         log = self.logs / f"operator-{len(self.runs)}.log"
-        proc = OperatorProcess(self.cluster, "polykv_operator.main", self.namespace, log, env)
+        proc = OperatorProcess(
+            self.cluster, "polykv_operator.main", self.namespace, log, env, peering=peering
+        )
         proc.start()
         self.runs.append(proc)
         return self
