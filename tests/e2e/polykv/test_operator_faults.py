@@ -27,7 +27,6 @@ from polykv_testenv.tcpproxy import TcpProxy
 
 from ..helpers import Obj, condition, eventually, get_or_none
 from .test_operator import (
-    ROOT,
     EngineApi,
     Operator,
     apply,
@@ -149,6 +148,7 @@ def test_sigkill_at_every_handler_step_leaves_nothing_duplicated_lost_or_leaked(
     assert all(api.pools(r.ip) == {} for r in replicas(k8s_cluster, namespace))
 
 
+ROOT = "You are the research crew. Cite sources, be brief."
 ROOT_MSG = {"role": "system", "content": ROOT}
 
 
@@ -319,14 +319,11 @@ def test_other_status_writers_are_corrected(
     ]
     for k in range(10):
         name = ("root", "a0", "b0")[k % 3]
-        k8s_cluster.api.patch(
-            f"{base}/{name}/status", {"status": bogus[k % 3]}, "application/merge-patch+json"
-        )
+        k8s_cluster.api.patch(f"{base}/{name}/status", {"status": bogus[k % 3]})
         if k % 5 == 4:
             k8s_cluster.api.patch(
                 obj_path(namespace, "polykvengines", "eng") + "/status",
                 {"status": {"readyReplicas": 0, "replicaStatus": []}},
-                "application/merge-patch+json",
             )
     converged(k8s_cluster, namespace, {"root", "a0", "b0"})
 
@@ -351,7 +348,7 @@ def test_a_release_the_engine_refuses_turns_stalled_and_orphans_are_reported(
     reason ReleaseRefused and the escape hatch in the message within 3 refusals; the fork
     released by the agent, the pool goes. An agent-made pinned pool shows in the engine's
     status (orphanedPins) and in polykv_engine_orphaned_pins."""
-    apply(k8s_cluster, namespace, engine_manifest(), pool_manifest("root", messages=[ROOT_MSG]))
+    apply(k8s_cluster, namespace, engine_manifest(), pool_manifest("root", text=ROOT))
     wait_condition(k8s_cluster, namespace, "polykvpools", "root", "Ready")
     api = EngineApi(k8s_cluster, namespace)
     (rep,) = replicas(k8s_cluster, namespace)
