@@ -51,13 +51,20 @@ POLICY = {
 DELETE_POINTS = ("children-deleted", "pool-released", "pool-forgotten")
 
 
+def turn(text: str) -> Obj:
+    return {"role": "user", "content": text}
+
+
 def subtree(i: int) -> list[Obj]:
     """A child of "root" (selected by the policy) and a grandchild."""
     return [
         pool_manifest(
-            f"a{i}", parent="root", appendText=f" Task {i}.", labels={"tier": "interactive"}
+            f"a{i}",
+            parent="root",
+            appendMessages=[turn(f"Task {i}.")],
+            labels={"tier": "interactive"},
         ),
-        pool_manifest(f"b{i}", parent=f"a{i}", appendText=" Go on."),
+        pool_manifest(f"b{i}", parent=f"a{i}", appendMessages=[turn("Go on.")]),
     ]
 
 
@@ -393,9 +400,10 @@ def test_a_release_the_engine_refuses_turns_stalled_and_orphans_are_reported(
 def tree_manifests_3_levels(n_children: int, n_leaves: int) -> list[Obj]:
     out = [pool_manifest("t", messages=[ROOT_MSG])]
     for c in range(n_children):
-        out.append(pool_manifest(f"t{c}", parent="t", appendText=f" Branch {c}."))
+        out.append(pool_manifest(f"t{c}", parent="t", appendMessages=[turn(f"Branch {c}.")]))
         for leaf in range(n_leaves):
-            out.append(pool_manifest(f"t{c}-{leaf}", parent=f"t{c}", appendText=f" Leaf {leaf}."))
+            leaf_turn = [turn(f"Leaf {leaf}.")]
+            out.append(pool_manifest(f"t{c}-{leaf}", parent=f"t{c}", appendMessages=leaf_turn))
     return out
 
 
