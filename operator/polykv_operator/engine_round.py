@@ -158,6 +158,7 @@ class Round:
         st = self.state
         st.rounds += 1
         st.pods = dict(self.pods)
+        st.deleting &= {n.uid for n in self.view.pools}  # gone from the cluster: forgotten
         serving = [p for p in self.pods.values() if p.ready and p.ip]
         self.clients = {p.name: client_for(self.http, self.view, st, p) for p in serving}
         await self._poll_all(serving)

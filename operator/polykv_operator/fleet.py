@@ -204,10 +204,11 @@ class EngineState:
         self.wake.set()
 
     def forget_pool(self, uid: str) -> None:
-        """A pool released everywhere: nothing about it is worth keeping."""
+        """A pool released everywhere: nothing about it is worth keeping, except that it is
+        going (`deleting`, dropped once the object is gone): a round that read the cluster
+        before the delete must not create it again."""
         self.renders.pop(uid, None)
         self.create_errors.pop(uid, None)
-        self.deleting.discard(uid)
         self.refused.pop(uid, None)
         self.written.forget(uid)
 

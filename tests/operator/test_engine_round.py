@@ -322,3 +322,18 @@ def test_the_loop_runs_a_round_when_poked_and_writes_only_what_changed() -> None
     assert kinds.count(("polykvpools", "root")) == 1  # written once; the memo held it since
     ready = {c["type"]: c["status"] for c in writes[1][2]["conditions"]}
     assert writes[1][1] == "root" and ready["Ready"] == "True"
+
+
+def test_a_round_that_read_the_cluster_before_a_release_does_not_create_the_pool_again() -> None:
+    h = Harness(1)
+    pools = tree()
+    h.run(pools)
+    eng = h.engine()
+    leaf = next(p for p in pools if p.name == "branch")
+    h.state.deleting.add(leaf.uid)  # the finalizer began, released it, and forgot it
+    del eng.pools["branch"]
+    h.state.forget_pool(leaf.uid)
+    h.run(pools)  # a snapshot from before the delete: the pool is still listed, not deleting
+    assert "branch" not in eng.pools
+    h.run([p for p in pools if p.name != "branch"])  # the object is gone
+    assert leaf.uid not in h.state.deleting

@@ -106,7 +106,8 @@ def test_finalize_forgets_a_pool_released_everywhere() -> None:
     eng = with_pools("root")
     waiting, state, _ = finalize({"10.0.0.1": eng}, [pod("a", "10.0.0.1")], [pool("root")])
     assert waiting is None and eng.pools == {}
-    assert "uid-root" not in state.renders and not state.deleting
+    assert "uid-root" not in state.renders
+    assert state.deleting == {"uid-root"}  # until the object is gone: no round re-creates it
 
 
 def test_finalize_without_an_engine_lets_the_pool_go() -> None:
