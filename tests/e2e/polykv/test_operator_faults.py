@@ -266,11 +266,15 @@ def test_two_operators_with_peering_only_one_acts_and_the_other_takes_over(
     """Figure: two operator processes with kopf peering: 1 acts (every engine call in its
     log, none in the other's); the leader SIGKILLed, the other takes over and materializes a
     new pool within the peering lifetime (20 s) plus a round."""
-    k8s_cluster.kubectl(
-        "apply", "-f", str(Path(__file__).parents[3] / "operator/deploy/peering.yaml")
-    )
-    k8s_cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev", "--timeout=60s"
+    peering = str(Path(__file__).parents[3] / "operator" / "deploy" / "peering.yaml")
+    eventually(  # the CRDs at once; the ClusterKopfPeering once they are served
+        "peering CRDs and object applied",
+        lambda: (
+            True
+            if k8s_cluster.kubectl("apply", "-f", peering, check=False).returncode == 0
+            else None
+        ),
+        60,
     )
     apply(
         k8s_cluster,
