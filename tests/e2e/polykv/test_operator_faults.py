@@ -25,7 +25,7 @@ from polykv_operator.faults import POINTS
 from polykv_testenv import ControlPlane, ProcessNode
 from polykv_testenv.tcpproxy import TcpProxy
 
-from ..helpers import Obj, condition, eventually, get_or_none
+from ..helpers import Obj, condition, eventually, gone
 from .test_operator import (
     EngineApi,
     Operator,
@@ -72,7 +72,7 @@ def converged(
     cluster: ControlPlane,
     namespace: str,
     declared: set[str],
-    gone: set[str] = frozenset(),
+    gone_names: set[str] = frozenset(),
     policy: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Every declared pool Ready with one entry per replica that matches the engine, and
@@ -80,16 +80,9 @@ def converged(
     `policy`, POLICY pushed to the "a" pools. Returns pod -> pool name -> pool id."""
     for name in sorted(declared):
         wait_condition(cluster, namespace, "polykvpools", name, "Ready", 120)
-    for name in gone:
-        eventually(
-            f"{name} gone",
-            lambda n=name: (  # type: ignore[misc]
-                True
-                if get_or_none(cluster.api, obj_path(namespace, "polykvpools", n)) is None
-                else None
-            ),
-            90,
-        )
+    for name in gone_names:
+        path = obj_path(namespace, "polykvpools", name)
+        eventually(f"{name} gone", lambda p=path: gone(cluster.api, p), 90)  # type: ignore[misc]
     api = EngineApi(cluster, namespace)
     out: dict[str, dict[str, Any]] = {}
     for rep in replicas(cluster, namespace):
@@ -395,15 +388,8 @@ def test_a_release_the_engine_refuses_turns_stalled_and_orphans_are_reported(
         f"http://{rep.ip}:8080/polykv/pools/agent-fork", headers=api.headers, timeout=30
     )
     assert released.status_code == 200, released.text
-    eventually(
-        "released once the engine agrees",
-        lambda: (
-            True
-            if get_or_none(k8s_cluster.api, obj_path(namespace, "polykvpools", "root")) is None
-            else None
-        ),
-        60,
-    )
+    root = obj_path(namespace, "polykvpools", "root")
+    eventually("released once the engine agrees", lambda: gone(k8s_cluster.api, root), 60)
     assert set(api.pools(rep.ip)) == {"agent-pin"}
 
 
