@@ -25,6 +25,8 @@ M = TypeVar("M", bound=BaseModel)
 LIST_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 # Creating a pool waits for its prefill; a long prefix on a CPU takes a while.
 CREATE_TIMEOUT = httpx.Timeout(120.0, connect=2.0)
+# A dry run only renders and tokenizes: it holds a round up for no longer than this.
+DRY_RUN_TIMEOUT = httpx.Timeout(30.0, connect=2.0)
 
 
 class EngineError(Exception):
@@ -140,7 +142,8 @@ class EngineClient:
         """POST /polykv/pools for a root (`parent` None), else the fork route of `parent`."""
         path = "/polykv/pools" if parent is None else f"/polykv/pools/{parent}/fork"
         op = "dry_run" if req.dry_run else "create"
-        return await self._call("POST", path, wire.PoolCreated, req, CREATE_TIMEOUT, op=op)
+        timeout = DRY_RUN_TIMEOUT if req.dry_run else CREATE_TIMEOUT
+        return await self._call("POST", path, wire.PoolCreated, req, timeout, op=op)
 
     async def release(self, ref: str) -> bool:
         """True when released now, False when the replica has no such pool."""

@@ -579,6 +579,13 @@ async def write_pool_statuses(
                 return
         state.written.sent(node.uid, node.resource_version, patch)
         written += 1
+        log.debug(
+            "pool status written ns=%s pool=%s rv=%s fields=%s",
+            node.namespace,
+            node.name,
+            node.resource_version,
+            sorted(patch),
+        )
         crash_point("pool-status-written")
 
     jobs = []

@@ -450,7 +450,10 @@ async def link_parent(
     state = FLEET.peek(namespace, engine)
     if state is not None:
         state.poke()
-    elif all(e.name != engine for e in _ns(engines_idx, namespace)):
+    elif not status and all(e.name != engine for e in _ns(engines_idx, namespace)):
+        # A new pool whose engine does not exist (on resume the engine index may not be
+        # filled yet, and a pool already has a status: its engine loop, or the engine's
+        # delete handler, wrote it).
         node = _me(namespace, name, pools_idx)
         ctx = _pool_context(namespace, engines_idx, pools_idx, policies_idx)
         new = stat.pool_status(node, ctx, stat.previous_conditions(status))
