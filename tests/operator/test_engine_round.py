@@ -306,7 +306,7 @@ def test_the_loop_runs_a_round_when_poked_and_writes_only_what_changed() -> None
         )
         seen = []
         for step in range(2):
-            for _ in range(100):  # a round at once (first start, then the poke), not in 30 s
+            for _ in range(1000):  # a round at once (first start, then the poke), not in 30 s
                 await asyncio.sleep(0.02)
                 if h.state.rounds > step:
                     break

@@ -147,7 +147,7 @@ def test_a_parent_goes_on_as_soon_as_its_children_are_released() -> None:
         return await parent, time.monotonic() - t0
 
     waiting, took = asyncio.run(scenario())
-    assert waiting is None and eng.pools == {} and took < 2.0
+    assert waiting is None and eng.pools == {} and took < 10  # not the 30 s wait
     assert "uid-root" in fleet.released and "uid-a" in fleet.released
 
 
