@@ -9,6 +9,7 @@ repeats them."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import signal
@@ -473,3 +474,53 @@ def test_operator_counters_only_grow(
             assert after.get(key, 0.0) >= value, (key, value, after.get(key))
     assert any(k[0] == "polykv_operator_reconcile_total" for k in scrapes[-1])
     assert condition(get(k8s_cluster, namespace, "polykvpools", "root"), "Ready") == "True"
+
+
+def test_a_tree_larger_than_max_pools_degrades_and_survives_an_engine_restart(
+    k8s_cluster: ControlPlane, process_node: ProcessNode, namespace: str, operator: Operator
+) -> None:
+    """Figure: the CRD refuses parallel + maxPools + 1 > 256 with the reason; 6 pools on an
+    engine with maxPools 3 are all Ready (3 evicted, said by the engine's `PoolsEvicted`);
+    after a SIGKILL of the engine the replica is back in service (gate True) with all 6, and
+    a session attaches to an evicted pool by name."""
+    too_big = engine_manifest("huge")
+    too_big["spec"]["maxPools"] = 254  # parallel 2 + 254 + 1 = 257
+    out = k8s_cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=json.dumps(too_big), check=False
+    )
+    assert out.returncode != 0 and "parallel + maxPools + 1 must be at most 256" in out.stderr
+    engine = engine_manifest()
+    engine["spec"]["maxPools"] = 3
+    systems = [{"role": "system", "content": f"{ROOT} Root {i}."} for i in range(6)]
+    roots = [pool_manifest(f"r{i}", messages=[systems[i]]) for i in range(6)]
+    apply(k8s_cluster, namespace, engine, *roots)
+    names = {f"r{i}" for i in range(6)}
+    converged(k8s_cluster, namespace, names)
+
+    def evicted_said() -> Obj | None:
+        obj = get(k8s_cluster, namespace, "polykvengines", "eng")
+        return obj if reason(obj, "Ready")[0] == "PoolsEvicted" else None
+
+    said = eventually("engine says PoolsEvicted", evicted_said, 60)
+    assert said["status"]["replicaStatus"][0]["poolsEvicted"] == 3
+    api = EngineApi(k8s_cluster, namespace)
+    (rep,) = replicas(k8s_cluster, namespace)
+    pid = process_node.pid(namespace, rep.pod)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+
+    def back() -> bool | None:
+        (now,) = replicas(k8s_cluster, namespace) or [None]
+        if now is None or now.restarts == rep.restarts:
+            return None
+        pod = k8s_cluster.api.get(f"/api/v1/namespaces/{namespace}/pods/{now.pod}")
+        held = api.pools_or_none(now.ip) or {}
+        return True if condition(pod, "Ready") == "True" and set(held) == names else None
+
+    eventually("replica back in service with every pool", back, 120)
+    held = api.pools(rep.ip)
+    cold = sorted(n for n, p in held.items() if p.residency == "evicted")
+    assert len(cold) == 3, held
+    system = systems[int(cold[0][1:])]
+    reply = api.chat(rep.ip, cold[0], [system, {"role": "user", "content": "Hi."}], None)
+    assert reply["choices"][0]["message"] is not None
