@@ -51,8 +51,6 @@ STATUS_REASONS: dict[int, wire.Reason] = {
 # A 5xx with one of these codes is an answer, not a failure to answer: the engine is up and
 # refuses (503 kv_full / queue_full: busy now; 501 pools_disabled: never on this engine).
 REFUSALS_5XX: frozenset[str] = frozenset({"kv_full", "queue_full", "pools_disabled"})
-# Refusals that say nothing about the request: asked again at the next round.
-TRANSIENT: frozenset[str] = frozenset({"kv_full", "queue_full"})
 
 
 class EngineRejected(EngineError):
@@ -79,11 +77,6 @@ class EngineRejected(EngineError):
     def capacity(self) -> bool:
         """No free pool sequence id: the engine holds as many pools as it can."""
         return self.reason == "seq_ids_exhausted"
-
-    @property
-    def transient(self) -> bool:
-        """Busy now (KV or queue full): the same request may succeed later."""
-        return self.reason in TRANSIENT
 
 
 class EngineClient:

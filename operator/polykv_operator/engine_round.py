@@ -32,6 +32,8 @@ from .api import ENGINE, POOL, PolyKVEngineSpec
 from .engine_client import EngineClient, EngineRejected, EngineUnreachable
 from .faults import crash_point
 from .fleet import (
+    BUSY,
+    FULL,
     CreateError,
     EngineState,
     Fleet,
@@ -237,7 +239,7 @@ class Round:
                 obs.reachable, obs.error = False, str(exc)
                 continue
             except EngineRejected as exc:
-                if exc.transient:
+                if exc.reason in BUSY:
                     continue  # busy (KV or queue full): no verdict on the prefix
                 failure = rejected_reason(exc, obs.pod, node.name)
                 self.state.renders[node.uid] = failure
@@ -284,7 +286,7 @@ class Round:
             except EngineRejected as exc:
                 # A tree larger than the replica's pool sequence ids: a cold pool makes room
                 # (the engine keeps it, and re-materializes it on its next attach or fork).
-                if not exc.capacity or not await self._evict_one(obs, want):
+                if exc.reason != FULL or not await self._evict_one(obs, want):
                     raise
                 res = await client.create(want.parent, want.request)
         except EngineUnreachable as exc:

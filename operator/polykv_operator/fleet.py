@@ -21,6 +21,8 @@ EngineKey = tuple[str, str]  # (namespace, engine name)
 
 RENDER_RETRY_S = 30.0  # a rejected prefix is asked about again after this long
 CAPACITY_RETRY_S = 30.0  # a replica full of pools is asked again after this long
+FULL = "seq_ids_exhausted"  # the engine's code for "no pool sequence id left"
+BUSY = frozenset({"kv_full", "queue_full"})  # codes for "busy now, the same may work later"
 
 
 @dataclass(frozen=True)
@@ -154,12 +156,12 @@ class CreateError:
     @property
     def capacity(self) -> bool:
         """No free pool sequence id, and no cold pool to evict: it cannot fit there."""
-        return self.reason == "seq_ids_exhausted"
+        return self.reason == FULL
 
     @property
     def busy(self) -> bool:
         """KV or wait queue full: it may fit later."""
-        return self.reason in ("kv_full", "queue_full")
+        return self.reason in BUSY
 
     def retry_due(self, now: float | None = None) -> bool:
         """A replica that refused for room is not asked again at every round."""
