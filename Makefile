@@ -6,7 +6,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup demo test lint typecheck pytest models bench clean e2e-bins
+.PHONY: setup demo test lint typecheck pytest models bench clean e2e-bins images chart
 
 setup:
 	@scripts/setup.sh
@@ -29,6 +29,16 @@ typecheck: setup
 # The local Kubernetes control plane for tests/e2e (cached; cold build ~10-15 min).
 e2e-bins:
 	@scripts/build-k8s.sh >/dev/null
+
+# The engine and operator images as OCI archives (buildah on a debootstrap base; needs root).
+# Cached by input hash under ~/.cache/polykv/images: cold ~2 min, unchanged inputs ~1 s.
+images: setup
+	@scripts/build-images.sh
+
+# Regenerate the chart's generated files (CRDs, values.schema.json, argocd-cm snippet).
+chart: setup
+	$(PY) -m polykv_operator.crdgen
+	$(PY) -m polykv_operator.chartgen
 
 pytest: setup models e2e-bins
 	$(VENV)/bin/pytest

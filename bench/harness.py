@@ -242,9 +242,13 @@ def _log_path(label: str) -> Path:
 
 
 @contextlib.contextmanager
-def engine(label: str, model: Path, args: Sequence[str]) -> Iterator[EngineProcess]:
+def engine(
+    label: str, model: Path, args: Sequence[str], env: Mapping[str, str] | None = None
+) -> Iterator[EngineProcess]:
     """A ``polykv-engine`` child process for the duration of the block."""
-    eng = EngineProcess(model=model, args=list(args), log_path=_log_path(label), env=SERVER_ENV)
+    eng = EngineProcess(
+        model=model, args=list(args), log_path=_log_path(label), env=dict(env or SERVER_ENV)
+    )
     progress(f"starting {label}: polykv-engine {' '.join(args)}")
     eng.start(timeout=180.0)
     try:

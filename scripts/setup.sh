@@ -15,6 +15,6 @@ echo ">> installing PolyKV and its pinned dependencies into .venv" >&2
 # The cached wheel itself, replacing any other build of the same version (pip would keep it).
 .venv/bin/python -m pip install -q --force-reinstall --no-deps "$WHEEL" >&2
 # --find-links picks up the cached llama-cpp-python wheel instead of compiling again.
-.venv/bin/python -m pip install -q --find-links "$(dirname "$WHEEL")" -e ".[engine,modelgen,operator,dev]" >&2
+.venv/bin/python -m pip install -q --find-links "$(dirname "$WHEEL")" -e ".[engine,modelgen,operator,router,langgraph,dev]" >&2
 echo "$WANT" > "$STAMP"
 echo ">> .venv ready" >&2

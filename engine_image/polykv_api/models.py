@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TokenId = Annotated[int, Field(ge=0)]
+SESSION_ID_PATTERN = r"^[!-~]{1,256}$"
+"""A session id travels in headers (x-session-id, echoed back): visible ASCII only."""
 
 
 class _Request(BaseModel):
@@ -56,7 +58,9 @@ class SamplingFields(_Request):
         None,
         min_length=1,
         max_length=256,
-        description="Continuation key; the x-session-id header is an alternative",
+        pattern=SESSION_ID_PATTERN,
+        description="Continuation key (visible ASCII, no spaces); the x-session-id header is "
+        "an alternative",
     )
     id_slot: int = Field(-1, ge=-1)
     overcommit: bool = False
@@ -154,22 +158,22 @@ class OAICompletionRequest(SamplingFields):
         return value
 
 
+class TextPart(BaseModel):
+    """A content part; only text parts are supported (no images or audio)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _text_parts_only(self) -> ChatMessage:
-        if isinstance(self.content, list):
-            for part in self.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts are supported")
-        return self
 
     def text(self) -> str:
         """The message content as one string (text parts joined)."""
@@ -177,7 +181,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(str(part["text"]) for part in self.content)
+        return "".join(part.text for part in self.content)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -453,6 +457,7 @@ Reason = Literal[
     "queue_full",
     "loading",
     "shutting_down",
+    "no_replica",  # polykv-router: no replica could take the request (none serving or reachable)
     # the engine's own fault
     "decode_failed",
     "internal",
@@ -683,6 +688,14 @@ class PoolList(BaseModel):
     )
     kv_cells_measured: int | None = Field(
         None, description="llama.cpp's own used-cell count (engine started with --polykv-kv-debug)"
+    )
+    sessions_active: int = Field(0, description="sessions processing a turn (autoscaling)")
+    sessions_refused: int = Field(
+        0, description="distinct sessions refused in the last 60 s (gate 429 or a full queue)"
+    )
+    sessions_headroom: int = Field(0, description="more sessions free slots and KV would take")
+    floor_pressure: float = Field(
+        0.0, description="max over floored pools of floor / mean_active_tps on this replica"
     )
     n_active: int = Field(0, description="sessions decoding with a measured rate, engine-wide")
     n_warming: int = Field(0, description="sessions decoding, rate not measured yet")

@@ -119,6 +119,8 @@ def document() -> dict[str, Any]:
                 "application/json": {"schema": {"$ref": f"#/components/schemas/{resp.__name__}"}}
             }
         op["responses"]["200"] = ok
+        if resp is m.PoolCreated:  # a new pool is 201; an existing one of that name is 200
+            op["responses"]["201"] = {**ok, "description": "Created"}
         for code, why in ERRORS.items():
             op["responses"][code] = {
                 "description": f"{why}; `error.reason` says which (see ErrorDetail.reason)",

@@ -18,6 +18,8 @@ class Config:
     one `GET /polykv/pools`: it carries every pool's capacity and compaction pressure."""
     metrics_port: int | None = None
     """Where /metrics is served; None: not served."""
+    metrics_address: str = "0.0.0.0"
+    """The address /metrics listens on (the chart gives the pod IP)."""
     master_key: str = ""
     """Secret from which every engine's admin key is derived."""
     priority: int | None = None
@@ -37,6 +39,7 @@ class Config:
         return cls(
             poll_interval_s=float(e.get("POLYKV_OPERATOR_POLL_INTERVAL", "5")),
             metrics_port=int(port) if port else None,
+            metrics_address=e.get("POLYKV_OPERATOR_METRICS_ADDRESS") or "0.0.0.0",
             master_key=key,
             priority=int(priority) if priority else None,
             peering_lifetime_s=int(e.get("POLYKV_OPERATOR_PEERING_LIFETIME", "20")),

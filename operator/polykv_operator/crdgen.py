@@ -172,19 +172,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the YAML")
     p.add_argument("--check", action="store_true", help="exit 1 when the files differ")
     args = p.parse_args(argv)
+    wanted = {args.out / name: text for name, text in files().items()}
+    return sync(wanted, args.check, "python -m polykv_operator.crdgen")
+
+
+def sync(wanted: dict[Path, str], check: bool, command: str) -> int:
+    """Writes each file whose content differs (or, with `check`, reports them and returns 1)."""
     stale = []
-    for name, text in files().items():
-        path = args.out / name
-        current = path.read_text() if path.is_file() else None
-        if current == text:
+    for path, text in wanted.items():
+        if path.is_file() and path.read_text() == text:
             continue
-        stale.append(name)
-        if not args.check:
-            args.out.mkdir(parents=True, exist_ok=True)
+        stale.append(str(path))
+        if not check:
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
             print(f"wrote {path}")
-    if args.check and stale:
-        print(f"stale CRDs (run python -m polykv_operator.crdgen): {', '.join(stale)}")
+    if check and stale:
+        print(f"stale (run {command}): {', '.join(stale)}")
         return 1
     return 0
 

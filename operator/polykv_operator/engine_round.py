@@ -595,6 +595,15 @@ async def write_pool_statuses(
         if node.engine != view.name or node.deleting:
             continue
         new = stat.pool_status(node, ctx, stat.previous_conditions(node.status))
+        metrics.POOLS.record(
+            metrics.PoolFigures(
+                node.namespace,
+                node.name,
+                node.engine,
+                {c.type: c.status for c in new.conditions or []},
+                bool(new.orphaned_pin),
+            )
+        )
         patch = stat.patch_for(node.status, new)
         if state.written.needs(node.uid, node.resource_version, patch):
             jobs.append(one(node, patch))

@@ -1,6 +1,6 @@
 """A small async Kubernetes client for the writes kopf does not do for us (owned objects,
-pod readiness gates, deleting child pools, the status the engine loops write), on the
-credentials kopf logged in with.
+pod readiness gates, deleting child pools and a disabled router, the status the engine loops
+write), on the credentials kopf logged in with.
 """
 
 from __future__ import annotations
@@ -29,6 +29,14 @@ PATHS = {
     ("v1", "Secret"): "/api/v1/namespaces/{ns}/secrets",
     ("v1", "Service"): "/api/v1/namespaces/{ns}/services",
     ("apps/v1", "Deployment"): "/apis/apps/v1/namespaces/{ns}/deployments",
+    ("v1", "ServiceAccount"): "/api/v1/namespaces/{ns}/serviceaccounts",
+    (
+        "rbac.authorization.k8s.io/v1",
+        "Role",
+    ): "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): (
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings"
+    ),
 }
 OURS = "/apis/polykv.io/v1alpha1/namespaces/{ns}/{plural}"
 POOLS = OURS.replace("{plural}", "polykvpools")
@@ -73,6 +81,17 @@ class Kube:
                 raise
         await self._req("PATCH", f"{base}/{name}", obj, STRATEGIC if strategic else MERGE)
         return "patched"
+
+    async def delete(self, namespace: str, api_version: str, kind: str, name: str) -> bool:
+        """Deletes an object the operator owns; False when it was not there."""
+        path = f"{PATHS[(api_version, kind)].format(ns=namespace)}/{name}"
+        try:
+            await self._req("DELETE", path, {"propagationPolicy": "Background"})
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+            return False
+        return True
 
     async def set_gate(self, namespace: str, pod: str, want: GateWant) -> None:
         cond = {

@@ -137,7 +137,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
     if CONFIG.metrics_port is not None:
         metrics.REGISTRY.register(metrics.FleetCollector(lambda: metrics.figures(FLEET)))
-        metrics.serve(CONFIG.metrics_port)
+        metrics.REGISTRY.register(metrics.PoolCollector(metrics.POOLS.rows))
+        metrics.serve(CONFIG.metrics_port, CONFIG.metrics_address)
     log.info(
         "operator configured poll_interval_s=%s metrics_port=%s peering_priority=%s",
         CONFIG.poll_interval_s,
@@ -291,7 +292,8 @@ def _engine_state(namespace: str, name: str, uid: str) -> EngineState:
 async def apply_engine(
     body: kopf.Body, name: str, namespace: str, uid: str, spec: kopf.Spec, logger: Any, **_: Any
 ) -> None:
-    """Secret (admin key), Deployment and Service, owned by the engine."""
+    """Secret (admin key), Deployment and Service, owned by the engine; with
+    spec.router.enabled, the router's objects too (removed again when it is turned off)."""
     try:
         parsed = PolyKVEngineSpec.model_validate(dict(spec))
     except ValueError as exc:
@@ -303,6 +305,9 @@ async def apply_engine(
         manifests.deployment(name, parsed),
         manifests.service(name, parsed),
     ]
+    routed = parsed.router is not None and parsed.router.enabled
+    if routed:
+        objs += manifests.router_objects(name, namespace, parsed)
     kopf.adopt(objs, owner=body)
     kube = CLIENTS.kube_client()
     for obj in objs:
@@ -310,6 +315,11 @@ async def apply_engine(
         what = await kube.apply(namespace, obj, strategic=obj["kind"] != "Secret")
         logger.info(f"{obj['kind']} {obj['metadata']['name']} {what}")
         crash_point(f"{obj['kind'].lower()}-applied")
+    if not routed:
+        for api_version, kind in manifests.ROUTER_KINDS:
+            router = manifests.router_name(name)
+            if await kube.delete(namespace, api_version, kind, router):
+                logger.info(f"{kind} {router} deleted (spec.router is off)")
 
 
 @kopf.on.delete(GROUP, VERSION, ENGINE.plural, optional=True)
@@ -517,6 +527,7 @@ async def release_pool(
     if waiting is not None:
         patch.status.update(waiting.status_patch)
         raise kopf.TemporaryError(waiting.message, delay=waiting.delay)
+    metrics.POOLS.forget(namespace, name)
 
 
 # ---------------------------------------------------------------------------- policies

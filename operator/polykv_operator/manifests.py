@@ -3,6 +3,11 @@
 The handler adds ownerReferences (kopf.adopt) and creates or patches them. The pods run
 under the restricted Pod Security profile: non-root, no privilege escalation, no
 capabilities, read-only root filesystem, RuntimeDefault seccomp.
+
+With ``spec.router.enabled`` an engine also owns a polykv-router: its ServiceAccount, a Role
+that may only list and watch the namespace's pods, the RoleBinding, a Deployment and a
+Service. The router's flags and environment are its command-line contract
+(``polykv_router.config``); a test parses what these builders write with it.
 """
 
 from __future__ import annotations
@@ -12,24 +17,33 @@ import hmac
 import posixpath
 from typing import Any
 
-from .api import PolyKVEngineSpec
-from .names import CONTAINER, ENGINE_LABEL, GATE
+from .api import PolyKVEngineSpec, RouterSpec
+from .names import CONTAINER, ENGINE_LABEL, GATE, ROUTER_CONTAINER, ROUTER_LABEL
 
 ADMIN_KEY_ENV = "POLYKV_ADMIN_KEY"
 API_KEY_ENV = "LLAMA_API_KEY"  # the engine reads both keys from its environment
 ADMIN_SECRET_KEY = "admin-key"
 RUN_AS = 65532  # the conventional "nonroot" uid
+# The router's environment (polykv_router.config reads these names).
+ROUTER_API_KEY_ENV = "POLYKV_ROUTER_ENGINE_API_KEY"
+ROUTER_SA_DIR_ENV = "POLYKV_ROUTER_SERVICEACCOUNT_DIR"
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+TOKEN_SECONDS = 3607  # what the ServiceAccount admission plugin asks for; the kubelet rotates
 
 Obj = dict[str, Any]
 
 
-def labels(engine: str) -> dict[str, str]:
+def _labels(app: str, engine: str, own: str) -> dict[str, str]:
     return {
-        "app.kubernetes.io/name": "polykv-engine",
+        "app.kubernetes.io/name": app,
         "app.kubernetes.io/instance": engine,
         "app.kubernetes.io/managed-by": "polykv-operator",
-        ENGINE_LABEL: engine,
+        own: engine,
     }
+
+
+def labels(engine: str) -> dict[str, str]:
+    return _labels("polykv-engine", engine, ENGINE_LABEL)
 
 
 def selector(engine: str) -> dict[str, str]:
@@ -98,6 +112,23 @@ def _model_volume(spec: PolyKVEngineSpec) -> tuple[Obj, Obj]:
     return volume, {"name": "model", "mountPath": mount, "readOnly": True}
 
 
+def _api_key_env(spec: PolyKVEngineSpec, var: str) -> list[Obj]:
+    ref = spec.api_key_secret_ref
+    if ref is None:
+        return []
+    return [{"name": var, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
+def _pod_security() -> Obj:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "fsGroup": RUN_AS,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def deployment(name: str, spec: PolyKVEngineSpec) -> Obj:
     volume, mount = _model_volume(spec)
     env: list[Obj] = [
@@ -106,13 +137,9 @@ def deployment(name: str, spec: PolyKVEngineSpec) -> Obj:
             "valueFrom": {
                 "secretKeyRef": {"name": admin_secret_name(name), "key": ADMIN_SECRET_KEY}
             },
-        }
+        },
+        *_api_key_env(spec, API_KEY_ENV),
     ]
-    if spec.api_key_secret_ref is not None:
-        ref = spec.api_key_secret_ref
-        env.append(
-            {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
-        )
     probe = {"httpGet": {"path": "/health", "port": "http"}}
     container: Obj = {
         "name": CONTAINER,
@@ -134,13 +161,7 @@ def deployment(name: str, spec: PolyKVEngineSpec) -> Obj:
         "readinessGates": [{"conditionType": GATE}],
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS,
-            "runAsGroup": RUN_AS,
-            "fsGroup": RUN_AS,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _pod_security(),
         "terminationGracePeriodSeconds": 30,
         "containers": [container],
         "volumes": [volume],
@@ -185,3 +206,181 @@ def service(name: str, spec: PolyKVEngineSpec) -> Obj:
             "ports": [{"name": "http", "port": spec.port, "targetPort": "http"}],
         },
     }
+
+
+# ---------------------------------------------------------------------------- the router
+
+
+def router_name(engine: str) -> str:
+    return f"{engine}-router"
+
+
+def router_labels(engine: str) -> dict[str, str]:
+    return _labels("polykv-router", engine, ROUTER_LABEL)
+
+
+def router_args(engine: str, spec: PolyKVEngineSpec, router: RouterSpec) -> list[str]:
+    """polykv-router's command line: which pods are the engine's replicas, and its knobs."""
+    return [
+        "--host", "0.0.0.0",
+        "--port", str(router.port),
+        "--selector", selector_string(engine),
+        "--engine-port", str(spec.port),
+        "--session-ttl-s", str(router.session_ttl_seconds),
+        "--poll-interval-ms", str(router.poll_interval_ms),
+        "--log-format", "json",
+    ]  # fmt: skip
+
+
+def router_service_account(engine: str) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": router_name(engine), "labels": router_labels(engine)},
+        # The pod mounts its own short-lived, rotated token (router_deployment).
+        "automountServiceAccountToken": False,
+    }
+
+
+def router_role(engine: str) -> Obj:
+    """All the router may do: see the pods of its namespace (their address, readiness and
+    deletion); it writes nothing and reads no Secret."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": router_name(engine), "labels": router_labels(engine)},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}],
+    }
+
+
+def router_role_binding(engine: str, namespace: str) -> Obj:
+    name = router_name(engine)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": name, "labels": router_labels(engine)},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+    }
+
+
+def _token_volume() -> Obj:
+    """What the ServiceAccount admission plugin would mount, declared explicitly: a bound,
+    expiring token, the cluster CA and the namespace."""
+    return {
+        "name": "kube-api-access",
+        "projected": {
+            "sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": TOKEN_SECONDS}},
+                {
+                    "configMap": {
+                        "name": "kube-root-ca.crt",
+                        "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                    }
+                },
+                {
+                    "downwardAPI": {
+                        "items": [
+                            {
+                                "path": "namespace",
+                                "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"},
+                            }
+                        ]
+                    }
+                },
+            ]
+        },
+    }
+
+
+def router_deployment(engine: str, spec: PolyKVEngineSpec) -> Obj:
+    router = spec.router or RouterSpec()
+    name = router_name(engine)
+    # The router's own reads (capacity, boot id, where a session is) are read-only routes:
+    # they need the API key when the engine has one, and no key otherwise. The router never
+    # holds the admin key. Clients' requests carry their own key through the router.
+    key = _api_key_env(spec, ROUTER_API_KEY_ENV)
+    env: list[Obj] = [
+        # Stated although it is the default: a runtime that rewrites mount paths (the local
+        # process node) finds the directory through it.
+        {"name": ROUTER_SA_DIR_ENV, "value": SA_DIR},
+        *key,
+    ]
+    container: Obj = {
+        "name": ROUTER_CONTAINER,
+        "image": router.image,
+        "args": router_args(engine, spec, router),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": "http"},
+            "periodSeconds": 1,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
+        "volumeMounts": [{"name": "kube-api-access", "mountPath": SA_DIR, "readOnly": True}],
+        "securityContext": _security(),
+    }
+    if router.resources:
+        container["resources"] = router.resources
+    labels = router_labels(engine)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "replicas": router.replicas,
+            "selector": {"matchLabels": {ROUTER_LABEL: engine}},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "serviceAccountName": name,
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": _pod_security(),
+                    # Streams in flight finish within the router's own shutdown timeout (25 s).
+                    "terminationGracePeriodSeconds": 30,
+                    "containers": [container],
+                    "volumes": [_token_volume()],
+                },
+            },
+        },
+    }
+
+
+def router_service(engine: str, spec: PolyKVEngineSpec) -> Obj:
+    router = spec.router or RouterSpec()
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": router_name(engine), "labels": router_labels(engine)},
+        "spec": {
+            "selector": {ROUTER_LABEL: engine},
+            "ports": [{"name": "http", "port": router.port, "targetPort": "http"}],
+        },
+    }
+
+
+def router_objects(engine: str, namespace: str, spec: PolyKVEngineSpec) -> list[Obj]:
+    """Everything a router needs, in the order to create it (the account before its pods)."""
+    return [
+        router_service_account(engine),
+        router_role(engine),
+        router_role_binding(engine, namespace),
+        router_deployment(engine, spec),
+        router_service(engine, spec),
+    ]
+
+
+ROUTER_KINDS = (
+    ("apps/v1", "Deployment"),
+    ("v1", "Service"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("v1", "ServiceAccount"),
+)
+"""What router_objects makes, in the order to delete it (the pods before their account)."""

@@ -8,10 +8,12 @@ sessions run below the floor), a figure that falls as replicas are added.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .fleet import Fleet, Render
@@ -58,11 +60,13 @@ class EngineFigures:
         floor_pressure: float | None,
         unmanaged_pools: int = 0,
         orphaned_pins: int = 0,
+        restarts: dict[str, int] | None = None,
     ) -> None:
         self.namespace, self.engine = namespace, engine
         self.replicas, self.synced, self.pools = replicas, synced, pools
         self.mean_active_tps, self.floor_pressure = mean_active_tps, floor_pressure
         self.unmanaged_pools, self.orphaned_pins = unmanaged_pools, orphaned_pins
+        self.restarts = restarts or {}  # pod name -> the engine container's restart count
 
 
 class FleetCollector(Collector):
@@ -71,7 +75,7 @@ class FleetCollector(Collector):
     def __init__(self, figures: Callable[[], list[EngineFigures]]) -> None:
         self.figures = figures
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["namespace", "engine"]
         replicas = GaugeMetricFamily(
             "polykv_engine_replicas", "Engine pods that exist", labels=labels
@@ -104,8 +108,15 @@ class FleetCollector(Collector):
             "Undeclared pools pinned with no sessions and no children (KV nobody releases)",
             labels=labels,
         )
+        restarts = CounterMetricFamily(
+            "polykv_engine_container_restarts",
+            "Restarts of each engine pod's engine container (the pod's restartCount)",
+            labels=[*labels, "pod"],
+        )
         for f in self.figures():
             key = [f.namespace, f.engine]
+            for pod, count in sorted(f.restarts.items()):
+                restarts.add_metric([*key, pod], count)
             replicas.add_metric(key, f.replicas)
             synced.add_metric(key, f.synced)
             pools.add_metric(key, f.pools)
@@ -115,11 +126,72 @@ class FleetCollector(Collector):
                 tps.add_metric(key, f.mean_active_tps)
             if f.floor_pressure is not None:
                 pressure.add_metric(key, f.floor_pressure)
-        yield from (replicas, synced, pools, tps, pressure, unmanaged, orphaned)
+        yield from (replicas, synced, pools, tps, pressure, unmanaged, orphaned, restarts)
 
 
-def serve(port: int) -> None:
-    start_http_server(port, registry=REGISTRY)
+@dataclass(frozen=True)
+class PoolFigures:
+    """One declared pool as its engine's round last computed its status."""
+
+    namespace: str
+    pool: str
+    engine: str
+    conditions: dict[str, str] = field(default_factory=dict)  # type -> "True"/"False"/...
+    orphaned_pin: bool = False
+
+
+class PoolBook:
+    """The declared pools' last statuses, written by the engine rounds, read at scrape time
+    (alerts on Stalled pools and orphaned pins need them as series)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # scrapes run on the metrics server's thread
+        self._rows: dict[tuple[str, str], PoolFigures] = {}
+
+    def record(self, row: PoolFigures) -> None:
+        with self._lock:
+            self._rows[(row.namespace, row.pool)] = row
+
+    def forget(self, namespace: str, pool: str) -> None:
+        with self._lock:
+            self._rows.pop((namespace, pool), None)
+
+    def rows(self) -> list[PoolFigures]:
+        with self._lock:
+            return sorted(self._rows.values(), key=lambda r: (r.namespace, r.pool))
+
+
+POOLS = PoolBook()
+
+
+class PoolCollector(Collector):
+    """Per declared pool: its kstatus conditions (1 when True) and its orphaned pin."""
+
+    def __init__(self, rows: Callable[[], list[PoolFigures]]) -> None:
+        self.rows = rows
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["namespace", "pool", "engine"]
+        cond = GaugeMetricFamily(
+            "polykv_operator_pool_condition",
+            "A declared pool's condition (Ready, Reconciling, Stalled): 1 when True, else 0",
+            labels=[*labels, "condition"],
+        )
+        orphaned = GaugeMetricFamily(
+            "polykv_operator_pool_orphaned_pin",
+            "1 when the pool is pinned on some replica with no sessions and no children",
+            labels=labels,
+        )
+        for r in self.rows():
+            key = [r.namespace, r.pool, r.engine]
+            for ctype in ("Ready", "Reconciling", "Stalled"):
+                cond.add_metric([*key, ctype], 1.0 if r.conditions.get(ctype) == "True" else 0.0)
+            orphaned.add_metric(key, 1.0 if r.orphaned_pin else 0.0)
+        yield from (cond, orphaned)
+
+
+def serve(port: int, address: str = "0.0.0.0") -> None:
+    start_http_server(port, addr=address, registry=REGISTRY)
 
 
 def figures(fleet: Fleet) -> list[EngineFigures]:
@@ -149,6 +221,7 @@ def figures(fleet: Fleet) -> list[EngineFigures]:
                 floor_pressure=floor,
                 unmanaged_pools=state.unmanaged_pools,
                 orphaned_pins=state.orphaned_pins,
+                restarts={p.name: p.restarts for p in pods},
             )
         )
     return out

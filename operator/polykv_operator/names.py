@@ -21,3 +21,10 @@ ENGINE_LABEL = "polykv.io/engine"
 
 CONTAINER = "engine"
 """Name of the engine container in the pod template (pod status is read by this name)."""
+
+ROUTER_LABEL = "polykv.io/router"
+"""Label on a router's pods; its value is the engine's name. Router pods never carry
+ENGINE_LABEL: they must not be taken for engine replicas (or join the engine's Service)."""
+
+ROUTER_CONTAINER = "router"
+"""Name of the router container in its pod template."""

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from ..layering import LayerRule, Package, cycles
+
 PACKAGE = Path(__file__).resolve().parents[2] / "operator" / "polykv_operator"
 
 LAYERS: dict[str, int] = {
@@ -23,86 +25,30 @@ LAYERS: dict[str, int] = {
         ("config", "faults", "metrics", "engine_client", "kube", "engine_round", "pool_release"),
         2,
     ),
-    **dict.fromkeys(("main", "cli", "crdgen"), 3),
+    **dict.fromkeys(("main", "cli", "crdgen", "hooks", "chartgen", "kubectl_plugin"), 3),
 }
 ENTRY = 3
 NAMES = {0: "api", 1: "pure", 2: "I/O", 3: "entry"}
 
 
-def unit_of(path: Path, package: Path = PACKAGE) -> str:
-    """The layered unit a file belongs to: a top-level module, or a subpackage as a whole."""
-    rel = path.relative_to(package)
-    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+OPERATOR = Package(PACKAGE)
+RULE = LayerRule(LAYERS, NAMES)
+
+
+def unit_of(path: Path) -> str:
+    return OPERATOR.unit_of(path)
 
 
 def imports(path: Path, package: Path = PACKAGE) -> tuple[set[str], set[str]]:
-    """(units of this package that `path` imports, outside top-level packages it imports)."""
-    tree = ast.parse(path.read_text())
-    here = path.relative_to(package).parent.parts  # () for a top-level module
-    inside: set[str] = set()
-    outside: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                top = alias.name.split(".")
-                if top[0] == "polykv_operator":
-                    inside.add(top[1] if len(top) > 1 else "__init__")
-                else:
-                    outside.add(top[0])
-        elif isinstance(node, ast.ImportFrom):
-            if node.level == 0:
-                parts = (node.module or "").split(".")
-                if parts[0] != "polykv_operator":
-                    outside.add(parts[0])
-                    continue
-                base: list[str] = parts[1:]
-            else:
-                up = len(here) - (node.level - 1)
-                assert up >= 0, f"{path}: relative import above the package"
-                base = [b for b in [*here[:up], *(node.module or "").split(".")] if b]
-            if base:
-                inside.add(base[0])
-            else:  # from . import a, b
-                inside.update(alias.name for alias in node.names)
-    return inside, outside
+    return Package(package, OPERATOR.name).imports(path)
 
 
 def graph() -> dict[str, set[str]]:
-    out: dict[str, set[str]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "__init__.py" and path.parent == PACKAGE:
-            continue
-        unit = unit_of(path)
-        out.setdefault(unit, set()).update(u for u in imports(path)[0] if u != unit)
-    return out
+    return OPERATOR.graph()
 
 
 def upward(g: dict[str, set[str]]) -> list[str]:
-    return [
-        f"{unit} ({NAMES[LAYERS[unit]]}) imports {dep} ({NAMES[LAYERS[dep]]})"
-        for unit, deps in sorted(g.items())
-        for dep in sorted(deps)
-        if LAYERS[dep] > LAYERS[unit]
-    ]
-
-
-def cycles(g: dict[str, set[str]]) -> list[str]:
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    found: list[str] = []
-
-    def visit(unit: str, path: list[str]) -> None:
-        state[unit] = 1
-        for dep in sorted(g.get(unit, ())):
-            if state.get(dep) == 1:
-                found.append(" -> ".join([*path[path.index(dep) :], dep]))
-            elif dep not in state:
-                visit(dep, [*path, dep])
-        state[unit] = 2
-
-    for unit in sorted(g):
-        if unit not in state:
-            visit(unit, [unit])
-    return found
+    return RULE.upward(g)
 
 
 def test_every_module_has_a_layer() -> None:

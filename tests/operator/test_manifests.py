@@ -100,3 +100,76 @@ def test_admin_key_is_derived_per_engine_incarnation() -> None:
     assert k == manifests.admin_key("master", "ns", "e", "uid1") and len(k) == 64
     assert k != manifests.admin_key("master", "ns", "e", "uid2")
     assert k != manifests.admin_key("other", "ns", "e", "uid1")
+
+
+def test_router_objects_and_least_privilege() -> None:
+    spec = engine_spec(
+        port=9000,
+        apiKeySecretRef={"name": "keys", "key": "api"},
+        router={"enabled": True, "replicas": 2, "pollIntervalMs": 250},
+    )
+    sa, role, binding, deployment, service = manifests.router_objects("qwen", "agents", spec)
+    assert [o["kind"] for o in (sa, role, binding, deployment, service)] == [
+        "ServiceAccount", "Role", "RoleBinding", "Deployment", "Service",
+    ]  # fmt: skip
+    assert {o["metadata"]["name"] for o in (sa, role, binding, deployment, service)} == {
+        "qwen-router"
+    }
+    # It may see the namespace's pods, and nothing else.
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+    assert binding["roleRef"]["name"] == "qwen-router"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "qwen-router", "namespace": "agents"}
+    ]
+    assert sa["automountServiceAccountToken"] is False
+    pod = deployment["spec"]["template"]["spec"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert "polykv.io/engine" not in labels  # never taken for an engine replica
+    assert deployment["spec"]["selector"]["matchLabels"] == {"polykv.io/router": "qwen"}
+    assert service["spec"]["selector"] == {"polykv.io/router": "qwen"}
+    assert deployment["spec"]["replicas"] == 2
+    assert pod["serviceAccountName"] == "qwen-router"
+    assert pod["automountServiceAccountToken"] is False
+    sources = pod["volumes"][0]["projected"]["sources"]
+    assert sources[0]["serviceAccountToken"]["path"] == "token"
+    c = pod["containers"][0]
+    assert c["volumeMounts"][0]["mountPath"] == manifests.SA_DIR
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POLYKV_ROUTER_ENGINE_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "keys",
+        "key": "api",
+    }
+    assert not any("key" in a.lower() for a in c["args"])  # secrets travel in env
+
+
+def test_the_router_command_line_is_one_the_router_accepts() -> None:
+    """The operator writes polykv-router's flags; the router's own parser reads them."""
+    from polykv_router.config import parse
+
+    spec = engine_spec(port=9000, router={"enabled": True, "sessionTtlSeconds": 600})
+    c = manifests.router_deployment("qwen", spec)["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    cfg = parse(c["args"], {**env, "POLYKV_ROUTER_ENGINE_API_KEY": "k"})
+    assert cfg.selector == "polykv.io/engine=qwen"
+    assert (cfg.engine_port, cfg.session_ttl_s, cfg.poll_interval_s) == (9000, 600, 0.5)
+    assert str(cfg.serviceaccount_dir) == manifests.SA_DIR
+    assert cfg.engine_api_key == "k"
+    assert cfg.port == c["ports"][0]["containerPort"]
+
+
+def test_the_router_never_holds_the_admin_key() -> None:
+    """Without an API key the engine's read-only routes are open: the router needs no key,
+    and it is never given the one that manages pools."""
+    spec = engine_spec(router={"enabled": True})
+    c = manifests.router_deployment("qwen", spec)["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in c["env"]}
+    assert "POLYKV_ROUTER_ENGINE_API_KEY" not in env
+    assert "polykv-admin" not in str(c)
+
+
+def test_router_defaults_are_off() -> None:
+    assert engine_spec().router is None
+    spec = engine_spec(router={})
+    assert spec.router is not None and not spec.router.enabled and spec.router.replicas == 1

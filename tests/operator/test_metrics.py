@@ -34,3 +34,34 @@ def test_reconcile_counter_is_registered() -> None:
     text = generate_latest(metrics.REGISTRY).decode()
     assert "polykv_operator_reconcile_total" in text
     assert "polykv_operator_engine_poll_seconds" in text
+
+
+def test_engine_restarts_per_pod_as_a_counter() -> None:
+    fleet = Fleet()
+    st = fleet.get("ns", "eng")
+    st.pods["a"] = pod("a", "1.1.1.1", restarts=3)
+    st.pods["b"] = pod("b", "1.1.1.2", terminating=True, restarts=9)  # going away: not counted
+    reg = CollectorRegistry()
+    reg.register(metrics.FleetCollector(lambda: metrics.figures(fleet)))
+    text = generate_latest(reg).decode()
+    assert "# TYPE polykv_engine_container_restarts_total counter" in text
+    assert 'polykv_engine_container_restarts_total{engine="eng",namespace="ns",pod="a"} 3.0' in text
+    assert 'pod="b"' not in text
+
+
+def test_pool_book_exports_conditions_and_orphaned_pins() -> None:
+    book = metrics.PoolBook()
+    book.record(metrics.PoolFigures("ns", "crew", "eng", {"Ready": "True"}, orphaned_pin=True))
+    book.record(metrics.PoolFigures("ns", "bad", "eng", {"Ready": "False", "Stalled": "True"}))
+    reg = CollectorRegistry()
+    reg.register(metrics.PoolCollector(book.rows))
+    text = generate_latest(reg).decode()
+    series = (
+        'polykv_operator_pool_condition{{condition="{}",engine="eng",namespace="ns",pool="{}"}}'
+    )
+    assert series.format("Ready", "crew") + " 1.0" in text
+    assert series.format("Stalled", "crew") + " 0.0" in text
+    assert series.format("Stalled", "bad") + " 1.0" in text
+    assert 'polykv_operator_pool_orphaned_pin{engine="eng",namespace="ns",pool="crew"} 1.0' in text
+    book.forget("ns", "crew")
+    assert 'pool="crew"' not in generate_latest(reg).decode()

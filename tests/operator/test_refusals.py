@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from polykv_api import models as wire
+from polykv_client import SeqIdsExhausted
 from polykv_operator.engine_client import EngineClient, EngineRejected
 from polykv_operator.engine_round import rejected_reason
 
@@ -75,7 +76,6 @@ def test_an_older_engine_is_read_by_its_status_only(
 ) -> None:
     exc = EngineRejected(status, "no free pool sequence id; already exists", etype)
     assert exc.reason == reason
-    assert not exc.capacity
     assert rejected_reason(exc, "pod-a", "x").reason == "PrefixRejected"
 
 
@@ -98,11 +98,12 @@ def test_the_client_reads_the_code_from_the_body() -> None:
     req = wire.PoolCreateRequest(name="root", prompt="hello")
     with pytest.raises(EngineRejected) as info:
         asyncio.run(client(eng).create(None, req))
-    assert info.value.reason == "seq_ids_exhausted" and info.value.capacity
+    assert info.value.reason == "seq_ids_exhausted"
+    assert isinstance(info.value, SeqIdsExhausted)
     old = FakeEngine(max_pools=0, reasons=False)
     with pytest.raises(EngineRejected) as info:
         asyncio.run(client(old).create(None, req))
-    assert info.value.reason is None and not info.value.capacity
+    assert info.value.reason is None and not isinstance(info.value, SeqIdsExhausted)
 
 
 # -- no module reads the engine's wording --------------------------------------------------

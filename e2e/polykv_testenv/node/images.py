@@ -36,6 +36,13 @@ DEFAULT_TABLE: tuple[ImageCommand, ...] = (
     # The engine image runs the engine's console script (llama-server-like flags).
     ImageCommand("polykv/engine", ("polykv-engine",), bind_flag="--host"),
     ImageCommand("polykv/engine[:@]*", ("polykv-engine",), bind_flag="--host"),
+    # The router image runs polykv-router (it finds the engines through the API server).
+    ImageCommand("polykv/router", ("polykv-router",), bind_flag="--host"),
+    ImageCommand("polykv/router[:@]*", ("polykv-router",), bind_flag="--host"),
+    # The operator image runs the operator's console script (kopf run). It has no listen
+    # flag of its own: the chart binds its probe and metrics ports to the pod IP.
+    ImageCommand("polykv/operator", ("polykv-operator",)),
+    ImageCommand("polykv/operator[:@]*", ("polykv-operator",)),
     # A tiny HTTP server for the harness's own tests and examples.
     ImageCommand(
         "polykv/testserver", (PYTHON, "-m", "polykv_testenv.testserver"), bind_flag="--host"

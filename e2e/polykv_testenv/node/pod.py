@@ -17,9 +17,10 @@ from typing import Any
 from ..kubeapi import STRATEGIC_PATCH, ApiError, Kube, Obj, pod_path
 from ..procs import ProcessLedger
 from . import images as img
+from . import serviceaccount
 from .addresses import AddressPool
 from .container import ContainerRunner, Launch, base_environment, now_iso
-from .podenv import SourceReader, container_env, expand
+from .podenv import ConfigError, SourceReader, container_env, expand
 from .status import pod_status
 from .volumes import PathRewriter, mount_map, prepare
 
@@ -60,6 +61,7 @@ class PodRunner:
         self.pod_ip = ""
         self.start_time = now_iso()
         self._volumes: dict[str, Path] | None = None
+        self._kubeconfig: tuple[Path | None] | None = None  # None: not looked at yet
         self._last_status = ""
         # Our last written conditions: the informer's copy may lag behind them.
         self._sent: dict[str, Obj] = {}
@@ -209,6 +211,9 @@ class PodRunner:
             "KUBERNETES_SERVICE_HOST": self.ctx.host_ip,
             "KUBERNETES_SERVICE_PORT": str(self.ctx.apiserver_port),
         }
+        kubeconfig = self._service_account(pod)
+        if kubeconfig is not None:
+            base["KUBECONFIG"] = str(kubeconfig)
         env = container_env(container, pod, base, reader, self.pod_ip, self.ctx.host_ip)
         rewrite = PathRewriter(mount_map(container, self._volumes))
         own = {v["name"] for v in container.get("env") or []}
@@ -225,6 +230,22 @@ class PodRunner:
         cwd = Path(rewrite(workdir)) if workdir else self.dir
         cwd.mkdir(parents=True, exist_ok=True)
         return Launch(argv=argv, env=env, cwd=cwd, image_id=f"local://{argv[0]}")
+
+    def _service_account(self, pod: Obj) -> Path | None:
+        """The pod's ServiceAccount credentials as a kubeconfig (what the kubelet's token
+        mount gives a real container), or None when the pod opts out."""
+        if self._kubeconfig is None:
+            try:
+                wanted = serviceaccount.automount(self.ctx.api, pod)
+                path = (
+                    serviceaccount.write_kubeconfig(self.ctx.api, pod, self.dir / "serviceaccount")
+                    if wanted
+                    else None
+                )
+            except ApiError as exc:  # retried like a kubelet: the container stays Waiting
+                raise ConfigError(f"service account token: {exc.message}") from None
+            self._kubeconfig = (path,)
+        return self._kubeconfig[0]
 
     def _emit(self, kind: str, reason: str, message: str, container: str = "") -> None:
         now = now_iso()

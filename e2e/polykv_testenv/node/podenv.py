@@ -28,7 +28,7 @@ def expand(text: str, env: Mapping[str, str]) -> str:
     return _VAR.sub(sub, text)
 
 
-def _field_ref(path: str, pod: Obj, pod_ip: str, host_ip: str) -> str:
+def field_ref(path: str, pod: Obj, pod_ip: str = "", host_ip: str = "") -> str:
     meta: dict[str, Any] = pod["metadata"]
     simple = {
         "metadata.name": meta.get("name", ""),
@@ -94,7 +94,7 @@ def container_env(
             continue
         source = var.get("valueFrom") or {}
         if "fieldRef" in source:
-            env[name] = _field_ref(source["fieldRef"]["fieldPath"], pod, pod_ip, host_ip)
+            env[name] = field_ref(source["fieldRef"]["fieldPath"], pod, pod_ip, host_ip)
         elif "configMapKeyRef" in source or "secretKeyRef" in source:
             kind = "configMap" if "configMapKeyRef" in source else "secret"
             ref = source[f"{kind}KeyRef"]

@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..kubeapi import Obj
-from .podenv import ConfigError, SourceReader
+from ..kubeapi import ApiError, Obj
+from .podenv import ConfigError, SourceReader, field_ref
+from .serviceaccount import bound_token
 
 
 def prepare(pod: Obj, pod_dir: Path, claims_dir: Path, reader: SourceReader) -> dict[str, Path]:
@@ -50,11 +51,36 @@ def prepare(pod: Obj, pod_dir: Path, claims_dir: Path, reader: SourceReader) -> 
                         ref = source[kind]
                         data = reader.data(kind, ref["name"], ref.get("optional", False)) or {}
                         _write_files(own, data, ref.get("items"))
+                if "serviceAccountToken" in source:
+                    sat = source["serviceAccountToken"]
+                    try:
+                        token = bound_token(
+                            reader.api, pod, int(sat.get("expirationSeconds", 3600)),
+                            sat.get("audience"),
+                        )  # fmt: skip
+                    except ApiError as exc:  # retried like a kubelet: the container waits
+                        raise ConfigError(f"volume {name!r}: token: {exc.message}") from None
+                    _write_files(own, {"token": token}, [{"key": "token", "path": sat["path"]}])
+                if "downwardAPI" in source:
+                    _write_files(own, _downward(pod, source["downwardAPI"]), None)
             own.mkdir(parents=True, exist_ok=True)
+            out[name] = own
+        elif "downwardAPI" in vol:
+            _write_files(own, _downward(pod, vol["downwardAPI"]), None)
             out[name] = own
         else:
             kinds = sorted(k for k in vol if k != "name")
             raise ConfigError(f"volume {name!r}: unsupported type {kinds}")
+    return out
+
+
+def _downward(pod: Obj, source: Obj) -> dict[str, str]:
+    """File path -> value for downwardAPI items (pod metadata fields only, as a kubelet)."""
+    out: dict[str, str] = {}
+    for item in source.get("items") or []:
+        if "fieldRef" not in item:
+            raise ConfigError(f"downwardAPI {item.get('path')!r}: only fieldRef is supported")
+        out[item["path"]] = field_ref(item["fieldRef"]["fieldPath"], pod)
     return out
 
 

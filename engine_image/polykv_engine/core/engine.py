@@ -275,9 +275,14 @@ class Engine:
             fn, fut = payload
             if fut.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(fn(self))
+                    result = fn(self)
                 except BaseException as exc:
                     fut.set_exception(exc)
+                else:
+                    # Publish before answering: a caller that reads the snapshot next (a
+                    # capacity query right after setting a policy) sees its own change.
+                    self._publish()
+                    fut.set_result(result)
         elif kind == "stop":
             self._stop_requested = True
 

@@ -32,6 +32,8 @@ from polykv_engine.policy.admission import (
     compaction_pressure,
     retry_after_s,
 )
+from polykv_engine.policy.autoscale import PoolLoad, RecentDistinct, floor_pressure
+from polykv_engine.policy.tps import active_rates
 
 log = logging.getLogger("polykv.admission")
 
@@ -78,6 +80,10 @@ class AdmissionGate:
         self.engine = engine
         self.states: dict[int, PoolAdmissionState] = {}
         self.counters = PoolCounters(registry)
+        # Sessions turned away in the last minute, engine-wide and per pool: demand that a
+        # floor-keeping gate hides from the tps figures (autoscaling counts it).
+        self.refused = RecentDistinct()
+        self.refused_by_pool: dict[str, RecentDistinct] = {}
         self._labels: dict[int, str] = {}  # pool id -> the label its series carry
         self._updater: asyncio.Task[None] | None = None
 
@@ -108,7 +114,9 @@ class AdmissionGate:
         for pid in [pid for pid in self.states if pid not in live]:
             del self.states[pid]  # the pool was released
         for pid in [pid for pid in self._labels if pid not in live]:
-            self.counters.forget(self._labels.pop(pid))  # its series go with it
+            label = self._labels.pop(pid)
+            self.counters.forget(label)  # its series go with it
+            self.refused_by_pool.pop(label, None)
         for pool in snap.pools:
             if pool.admission is None:
                 continue
@@ -177,6 +185,7 @@ class AdmissionGate:
                 headers["X-Sessions-Remaining"] = str(cap.headroom_sessions)
             else:
                 self.counters.reject(pool.label, cap.reason_code)
+                self.record_refusal(task, pool.label)
                 raise ApiError(
                     429,
                     f"pool {pool.label!r} cannot admit a new session: {cap.reason}",
@@ -189,6 +198,32 @@ class AdmissionGate:
             headers["X-Sessions-Remaining"] = str(max(0, cap.headroom_sessions - 1))
         self._record(pool, task)
         return headers
+
+    def record_refusal(self, task: GenerateTask, pool: str | None) -> None:
+        """A session was turned away (gate 429, or a full queue)."""
+        key = task.session_id or f"request-{task.task_id}"
+        now = time.monotonic()
+        self.refused.add(key, now)
+        if pool is not None:
+            self.refused_by_pool.setdefault(pool, RecentDistinct()).add(key, now)
+
+    def refused_recently(self, pool: str) -> int:
+        tracker = self.refused_by_pool.get(pool)
+        return tracker.count(time.monotonic()) if tracker is not None else 0
+
+    def autoscale(self) -> tuple[float, int, int, int]:
+        """(floor pressure, active sessions, refused in the last minute, headroom)."""
+        snap = self.engine.snapshot
+        now = time.monotonic()
+        loads = []
+        for pool in snap.pools:
+            members = [s for s in snap.slots if s.pool_id == pool.pool_id]
+            rates = active_rates((s.state == "decoding", s.warming, s.tps_ewma) for s in members)
+            floor = pool.admission.target_tps_per_session if pool.admission else None
+            loads.append(PoolLoad(floor, rates.n_active, rates.tps_sum))
+        view = engine_view(snap, None)
+        headroom = capacity(None, PoolAdmissionState(), view, now).headroom_sessions
+        return floor_pressure(loads), snap.n_processing, self.refused.count(now), headroom
 
     def finished(self, task: GenerateTask) -> None:
         """The request ended: count the query, and a prefix hit when it reused the pool's

@@ -74,7 +74,11 @@ def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
     )
     ctx = AppContext(engine=engine, settings=settings)
     app[APP_KEY] = ctx
-    registry, http_counter = build_registry(lambda: engine.snapshot, lambda: ctx.pool_gauges)
+    registry, http_counter = build_registry(
+        lambda: engine.snapshot,
+        lambda: ctx.pool_gauges,
+        lambda: ctx.gate.autoscale() if ctx.gate is not None and engine.ready else (0.0, 0, 0, 0),
+    )
     ctx.gate = AdmissionGate(engine, registry)
     app[info.METRICS_REGISTRY] = registry
     app[HTTP_COUNTER] = http_counter

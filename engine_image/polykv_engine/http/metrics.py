@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from polykv_engine.core.snapshot import EngineSnapshot
+from polykv_engine.policy.autoscale import demand_ratio
 
 _COUNTERS: list[tuple[str, str, str]] = [
     ("prompt_tokens", "prompt_tokens", "Prompt tokens computed (not served from cache)"),
@@ -122,6 +123,10 @@ class PoolGauges:
     gen_throughput_tps: float
     mean_active_tps: float
     compaction_pressure: float
+    active_sessions: int  # decoding with a measured rate: the additive parts of the mean,
+    active_tps_sum: float  # so replicas combine as Σ tps_sum / Σ active_sessions
+    floor_tps: float  # the admission floor (0 without a policy)
+    refused_sessions: int  # distinct sessions refused in the last minute
 
 
 _POOL_GAUGES: list[tuple[str, str]] = [
@@ -131,6 +136,10 @@ _POOL_GAUGES: list[tuple[str, str]] = [
     ("gen_throughput_tps", "Decode tokens/s of the pool's sessions"),
     ("mean_active_tps", "Mean experienced tps of the pool's decoding sessions"),
     ("compaction_pressure", "0..1: how close the pool's sessions are to running out of KV"),
+    ("active_sessions", "Sessions decoding with a measured rate (mean_active_tps's count)"),
+    ("active_tps_sum", "Σ experienced tps of those sessions (mean_active_tps's sum)"),
+    ("floor_tps", "The admission floor per session, 0 without a policy"),
+    ("refused_sessions", "Distinct sessions the gate refused in the last 60 s"),
 ]
 
 
@@ -186,13 +195,39 @@ class PoolCounters:
                 self.rejects.remove(pool, reason)
 
 
+class AutoscaleCollector(Collector):
+    """The engine's own autoscaling signals and their additive parts, always present (an
+    idle engine reports 0, never no data: scale-down needs a value)."""
+
+    def __init__(self, figures: Callable[[], tuple[float, int, int, int]]) -> None:
+        self._figures = figures
+
+    def collect(self) -> Iterator[Metric]:
+        pressure, active, refused, headroom = self._figures()
+        for name, doc, value in (
+            ("floor_pressure", "max over floored pools of floor / mean_active_tps", pressure),
+            ("sessions_active", "Sessions processing a turn", active),
+            ("sessions_refused", "Distinct sessions refused in the last 60 s", refused),
+            ("sessions_headroom", "More sessions the free slots and KV would take", headroom),
+            (
+                "session_demand_ratio",
+                "(active + refused) / (active + headroom)",
+                demand_ratio(active, refused, headroom),
+            ),
+        ):
+            yield GaugeMetricFamily(f"polykv_{name}", doc, value=value)
+
+
 def build_registry(
-    snapshot: Callable[[], EngineSnapshot], pool_gauges: Callable[[], list[PoolGauges]]
+    snapshot: Callable[[], EngineSnapshot],
+    pool_gauges: Callable[[], list[PoolGauges]],
+    autoscale: Callable[[], tuple[float, int, int, int]],
 ) -> tuple[CollectorRegistry, Counter]:
     """A registry of its own (tests run several engines in one process)."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(EngineCollector(snapshot))
     registry.register(PoolCollector(pool_gauges))
+    registry.register(AutoscaleCollector(autoscale))
     http = Counter(
         "polykv_http_requests",
         "HTTP requests by route template and status code",

@@ -20,6 +20,7 @@ from typing import Literal
 import xxhash
 
 from polykv_api.models import AdmissionPolicy, PoolRef, Reason
+from polykv_engine.ids import decimal
 from polykv_engine.tokens import common_prefix_len
 
 Residency = Literal["materializing", "resident", "evicted"]
@@ -109,10 +110,11 @@ class PoolTree:
 
     def resolve(self, ref: PoolRef) -> Pool:
         """A pool by id (int or all-digit string) or by name; 404 when absent."""
-        if isinstance(ref, int) or ref.isdigit():
-            pool = self.pools.get(int(ref))
+        number = ref if isinstance(ref, int) else decimal(ref)
+        if number is not None:
+            pool = self.pools.get(number)
         else:
-            pid = self._by_name.get(ref)
+            pid = self._by_name.get(str(ref))
             pool = self.pools.get(pid) if pid is not None else None
         if pool is None:
             raise PoolError(

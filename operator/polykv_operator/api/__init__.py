@@ -2,7 +2,14 @@
 these by ``python -m polykv_operator.crdgen``)."""
 
 from .admission import AdmissionPolicySpec, AdmissionPolicyStatus, PolicyConflict
-from .engine import ModelInit, ModelSource, PolyKVEngineSpec, PolyKVEngineStatus, ReplicaStatus
+from .engine import (
+    ModelInit,
+    ModelSource,
+    PolyKVEngineSpec,
+    PolyKVEngineStatus,
+    ReplicaStatus,
+    RouterSpec,
+)
 from .meta import API_VERSION, CATEGORY, GROUP, VERSION, Condition, KubeModel, LabelSelector
 from .pool import PolyKVPoolSpec, PolyKVPoolStatus, PoolCapacity, PoolMessage, PoolReplica
 from .resources import ADMISSION, ENGINE, KINDS, POOL, Kind
@@ -33,4 +40,5 @@ __all__ = [
     "PoolMessage",
     "PoolReplica",
     "ReplicaStatus",
+    "RouterSpec",
 ]

@@ -9,6 +9,7 @@ from pydantic import Field
 from .meta import CONDITIONS_SCHEMA_EXTRA, Condition, KubeModel, SecretKeySelector
 
 DEFAULT_IMAGE = "polykv/engine:0.1.0"
+DEFAULT_ROUTER_IMAGE = "polykv/router:0.1.0"
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: slots + pools (+1 for the KV debug probe)
 
 SPEC_RULES = [
@@ -48,6 +49,30 @@ class ModelSource(KubeModel):
     """Optional init container that writes the model to the volume first."""
 
 
+class RouterSpec(KubeModel):
+    """polykv-router in front of the replicas: keeps each agent session (x-session-id) on the
+    replica that holds its KV, and places new sessions by each replica's admission capacity.
+    Clients then use the Service <engine>-router instead of <engine>."""
+
+    enabled: bool = False
+    """Deploy the router (a Deployment, a Service and a ServiceAccount allowed to watch this
+    namespace's pods, all owned by the engine); false removes them."""
+    replicas: int = Field(1, ge=0, le=64)
+    """Router replicas. They share no state: each finds a session it does not know by asking
+    the engine replicas, so any router can serve any request."""
+    image: str = DEFAULT_ROUTER_IMAGE
+    """The router container image."""
+    port: int = Field(8080, ge=1, le=65535)
+    """The router's HTTP port (in the pod and on its Service)."""
+    session_ttl_seconds: int = Field(3600, ge=60)
+    """A router forgets a session idle for this long (the engine still holds it, and a later
+    turn finds it there again)."""
+    poll_interval_ms: int = Field(500, ge=100, le=10_000)
+    """How often each router asks every replica for its capacity in the pools in use."""
+    resources: dict[str, Any] | None = None
+    """Container resources (requests/limits), as in a Pod spec."""
+
+
 class PolyKVEngineSpec(KubeModel):
     """The desired engine fleet. The operator turns it into a Deployment and a Service."""
 
@@ -78,6 +103,8 @@ class PolyKVEngineSpec(KubeModel):
     """Container resources (requests/limits), as in a Pod spec."""
     pod_labels: dict[str, str] | None = None
     """Extra labels for the engine pods."""
+    router: RouterSpec | None = None
+    """A session-affine, capacity-aware router in front of the replicas (off when absent)."""
 
 
 class ReplicaStatus(KubeModel):

@@ -23,6 +23,12 @@ def test_image_table_matches_tags_digests_and_registries() -> None:
         "localhost:5000/polykv/engine:dev",
     ):
         assert table.lookup(ref).entrypoint == ("polykv-engine",), ref
+    assert table.lookup("registry.example.com/polykv/operator:0.1.0").entrypoint == (
+        "polykv-operator",
+    )
+    for ref in ("polykv/router", "polykv/router:0.1.0", "ghcr.io/polykv/router@sha256:abc"):
+        entry = table.lookup(ref)
+        assert (entry.entrypoint, entry.bind_flag) == (("polykv-router",), "--host"), ref
     with pytest.raises(UnknownImage):
         table.lookup("polykv/engine-other:1")
     with pytest.raises(UnknownImage):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 
 import httpx
@@ -182,3 +183,95 @@ def test_failing_liveness_probe_restarts_the_container(
     )
     last = got["status"]["containerStatuses"][0]["lastState"]["terminated"]
     assert "Liveness probe failed" in last["message"]
+
+
+def test_a_pod_talks_to_the_api_server_as_its_service_account(
+    k8s_cluster: ControlPlane, process_node: ProcessNode, namespace: str
+) -> None:
+    """What the kubelet's token mount gives a container: a KUBECONFIG holding a token bound
+    to the pod, for the pod's ServiceAccount (so RBAC applies to it). A pod that opts out
+    gets none."""
+    api = k8s_cluster.api
+    ns_api = f"/api/v1/namespaces/{namespace}"
+    api.create(f"{ns_api}/serviceaccounts", {"metadata": {"name": "robot"}})
+    for name, automount in (("with-token", True), ("without-token", False)):
+        pod: Obj = {
+            "metadata": {"name": name},
+            "spec": {
+                "serviceAccountName": "robot",
+                "automountServiceAccountToken": automount,
+                "containers": [web_container()],
+            },
+        }
+        api.create(f"{ns_api}/pods", pod)
+    got = eventually("pod Ready", lambda: fetch_if(api, f"{ns_api}/pods/with-token", is_ready))
+    kubeconfig = Path(served(got["status"]["podIP"], "/env/KUBECONFIG")["value"])
+    token = (kubeconfig.parent / "token").read_text()
+    review = httpx.post(
+        f"{k8s_cluster.credentials.server}/apis/authentication.k8s.io/v1/selfsubjectreviews",
+        json={"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
+        headers={"Authorization": f"Bearer {token}"},
+        verify=str(k8s_cluster.credentials.ca_file),
+        timeout=10,
+    ).json()
+    user = review["status"]["userInfo"]
+    assert user["username"] == f"system:serviceaccount:{namespace}:robot"
+    assert user["extra"]["authentication.kubernetes.io/pod-name"] == ["with-token"]
+
+    other = eventually("pod Ready", lambda: fetch_if(api, f"{ns_api}/pods/without-token", is_ready))
+    r = httpx.get(f"http://{other['status']['podIP']}:8080/env/KUBECONFIG", timeout=5)
+    assert r.status_code == 404
+
+
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def test_a_projected_service_account_token_authenticates_as_the_pod(
+    k8s_cluster: ControlPlane, process_node: ProcessNode, namespace: str
+) -> None:
+    """A projected volume with a serviceAccountToken, the cluster CA and the namespace, as
+    an in-cluster client (polykv-router) reads them: the token is the pod's own."""
+    api = k8s_cluster.api
+    ns_api = f"/api/v1/namespaces/{namespace}"
+    container = web_container()
+    container["env"] = [{"name": "SA_DIR", "value": SA_DIR}]
+    container["volumeMounts"] = [{"name": "kube-api-access", "mountPath": SA_DIR}]
+    namespace_item = {"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}
+    volume = {
+        "name": "kube-api-access",
+        "projected": {
+            "sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+                {
+                    "configMap": {
+                        "name": "kube-root-ca.crt",
+                        "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                    }
+                },
+                {"downwardAPI": {"items": [namespace_item]}},
+            ]
+        },
+    }
+    pod: Obj = {
+        "metadata": {"name": "in-cluster"},
+        "spec": {"serviceAccountName": "default", "containers": [container], "volumes": [volume]},
+    }
+    api.create(f"{ns_api}/pods", pod)
+    got = eventually("pod Ready", lambda: fetch_if(api, f"{ns_api}/pods/in-cluster", is_ready))
+    ip = got["status"]["podIP"]
+    sa_dir = served(ip, "/env/SA_DIR")["value"]
+    assert sa_dir != SA_DIR  # rewritten to the volume's local directory
+    assert served(ip, f"/file{sa_dir}/namespace")["content"] == namespace
+    ca = Path(sa_dir) / "ca.crt"
+    token = served(ip, f"/file{sa_dir}/token")["content"]
+    review = httpx.post(
+        f"{k8s_cluster.credentials.server}/apis/authentication.k8s.io/v1/selfsubjectreviews",
+        json={"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
+        headers={"Authorization": f"Bearer {token}"},
+        verify=ssl.create_default_context(cafile=str(ca)),
+        timeout=30,
+    )
+    assert review.status_code == 201, review.text
+    user = review.json()["status"]["userInfo"]
+    assert user["username"] == f"system:serviceaccount:{namespace}:default"
+    assert user["extra"]["authentication.kubernetes.io/pod-name"] == ["in-cluster"]

@@ -65,8 +65,9 @@ def operator_kubeconfig(
     k8s_cluster.kubectl("apply", "-f", str(ROOT / "crds"))
     for crd in ("polykvengines", "polykvpools", "admissionpolicies"):
         k8s_cluster.kubectl(
-            "wait", "--for=condition=Established", f"crd/{crd}.polykv.io", "--timeout=60s"
-        )
+            "wait", "--for=condition=Established", f"crd/{crd}.polykv.io", "--timeout=60s",
+            timeout_s=90,
+        )  # fmt: skip
     k8s_cluster.kubectl("create", "namespace", "polykv-system", check=False)
     k8s_cluster.kubectl("apply", "-f", str(ROOT / "operator" / "deploy" / "rbac.yaml"))
     token = k8s_cluster.kubectl(
@@ -169,7 +170,7 @@ def operator(
                 namespace,
                 "--timeout=60s",
                 check=False,
-                timeout_s=90,
+                timeout_s=90,  # past kubectl's own timeout, so kubectl reports it, not us
             )
         finally:
             op.stop_all()  # pass, fail or a teardown that timed out: no operator outlives it

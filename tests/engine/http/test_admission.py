@@ -324,3 +324,37 @@ def test_a_released_pools_series_disappear_from_metrics(ac: httpx.Client) -> Non
         return 'pool="ephemeral"' not in text
 
     wait_for(gone)
+
+
+def test_autoscale_signals_idle_zero_pressure_and_refused_demand(
+    start_engine: Callable[..., EngineProcess],
+) -> None:
+    eng = start_engine("-np", "4", "-c", "8192", "--metrics")  # its own: no refusals before
+    with httpx.Client(base_url=eng.base_url, timeout=60) as ac:
+
+        def gauge(name: str, **labels: str) -> float:
+            return _metric(ac, name, **labels)
+
+        # Idle: every signal has a value, and it is 0 (an HPA must see "scale down").
+        text = ac.get("/metrics").text
+        for name in ("polykv_floor_pressure", "polykv_session_demand_ratio",
+                     "polykv_sessions_active", "polykv_sessions_refused"):  # fmt: skip
+            assert f"\n{name} 0.0" in text, name
+        prompt = saturated_pool(ac, "scale")
+        with Load(ac, "scale", prompt, ["scale-a"]):
+            wait_for(settled_and_active(ac, "scale"))
+            # An unreachable floor: the measured session runs under it.
+            assert gauge("polykv_floor_pressure") > 1
+            assert gauge("polykv_pool_active_sessions", pool="scale") == 1
+            assert gauge("polykv_pool_floor_tps", pool="scale") == UNREACHABLE
+            tps_sum = gauge("polykv_pool_active_tps_sum", pool="scale")
+            assert gauge("polykv_floor_pressure") == pytest.approx(UNREACHABLE / tps_sum, rel=0.3)
+            for i in range(3):
+                body = prompt + [500 + i]
+                r = complete(ac, body, 4, pool_id="scale", session_id=f"scale-new-{i}")
+                assert r.status_code == 429
+            assert gauge("polykv_sessions_refused") == 3
+            assert gauge("polykv_pool_refused_sessions", pool="scale") == 3
+            assert gauge("polykv_session_demand_ratio") > gauge("polykv_sessions_active") / 8
+        listing = ac.get("/polykv/pools").json()
+        assert listing["sessions_refused"] == 3

@@ -221,3 +221,17 @@ def test_control_routes_refuse_unknown_fields_and_change_nothing(
     assert [(p["name"], p["admission"]) for p in after] == [
         (p["name"], p["admission"]) for p in before
     ]
+
+
+def test_client_text_never_reaches_a_header_raw(client: httpx.Client) -> None:
+    """Found by fuzzing: an unknown field named with a control character used to be echoed
+    into X-PolyKV-Ignored-Fields and crash the response (header injection guard)."""
+    r = client.post("/completion", json={"\x1c\nX-Evil: 1": 1, "prompt": "x", "n_predict": 1})
+    assert r.status_code == 200
+    assert r.headers[IGNORED] == "%1C%0AX-Evil%3A%201" and "X-Evil" not in r.headers
+    for bad in ("a\nb", "tab\there", "with space", "é", "x" * 257):
+        r = client.post("/completion", json={"prompt": "x", "n_predict": 1, "session_id": bad})
+        assert_error(r, 400, "invalid_request_error", "session_id")
+
+
+IGNORED = "X-PolyKV-Ignored-Fields"

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[3] / "engine_image"
 RANKS = {
     "polykv_api": 0,
     "polykv_engine.tokens": 0,
+    "polykv_engine.ids": 0,
     "polykv_engine.llama": 1,
     "polykv_engine.policy": 1,
     "polykv_engine.kv": 2,
@@ -31,8 +32,9 @@ RANKS = {
     "polykv_engine.fetch_model": 6,
     "polykv_engine": 0,  # the package __init__: the version string, nothing else
     "polykv_modelgen": 0,
+    "polykv_client": 1,
 }
-OURS = ("polykv_api", "polykv_engine", "polykv_modelgen")
+OURS = ("polykv_api", "polykv_engine", "polykv_modelgen", "polykv_client")
 
 Edge = tuple[str, str]  # (importing module, imported module)
 
@@ -66,14 +68,17 @@ def imports_of(path: Path) -> Iterable[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, *([base] if base else [])])
-            yield base
-            for alias in node.names:  # `from pkg import module` imports a module too
+            modules = []
+            for alias in node.names:  # `from pkg import module` imports a module, not pkg
                 candidate = f"{base}.{alias.name}"
                 if any(
                     (ROOT / candidate.replace(".", "/")).with_suffix(s).exists()
                     for s in (".py", "")
                 ):
-                    yield candidate
+                    modules.append(candidate)
+            yield from modules
+            if len(modules) < len(node.names):
+                yield base
 
 
 def edges() -> list[Edge]:
@@ -96,6 +101,8 @@ def upward(all_edges: Iterable[Edge]) -> list[str]:
             bad.append(f"{src} imports {dst}: {a} (rank {RANKS[a]}) -> {b} (rank {RANKS[b]})")
         if a.startswith("polykv_modelgen") != b.startswith("polykv_modelgen"):
             bad.append(f"{src} imports {dst}: the engine and the model generator stay apart")
+        if a.startswith("polykv_engine") and b == "polykv_client":
+            bad.append(f"{src} imports {dst}: the engine serves the client, never uses it")
     return bad
 
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from typing import Any
+from urllib.parse import quote
 
 from aiohttp import web
 
 from polykv_api.models import (
+    SESSION_ID_PATTERN,
     ApplyTemplateRequest,
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,6 +40,7 @@ from polykv_engine.core.tasks import (
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.errors import ApiError, parse
 from polykv_engine.http.responses import Logprobs, ResponseBuilder
+from polykv_engine.ids import decimal
 from polykv_engine.llama.grammar import ANY_JSON_OBJECT, Grammar, GrammarError
 from polykv_engine.llama.grammar import from_schema as grammar_from_schema
 from polykv_engine.llama.sampling import SamplingParams, StopParams
@@ -44,6 +48,7 @@ from polykv_engine.llama.sampling import SamplingParams, StopParams
 log = logging.getLogger("polykv.http")
 
 IGNORED_HEADER = "X-PolyKV-Ignored-Fields"
+SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
 REHOMED_HEADER = "x-polykv-rehomed"  # set by polykv-router on a continuation it moved here
 
 
@@ -101,8 +106,8 @@ def _task_from(
     preserved: frozenset[int] = frozenset(),
 ) -> GenerateTask:
     session = req.session_id or request.headers.get("x-session-id") or None
-    if session is not None and len(session) > 256:
-        raise ApiError(400, "x-session-id: at most 256 characters")
+    if session is not None and not SESSION_ID_RE.fullmatch(session):
+        raise ApiError(400, "x-session-id: 1-256 visible ASCII characters (no spaces)")
     return GenerateTask(
         prompt=prompt,
         sampling=_sampling(req, grammar),
@@ -120,8 +125,8 @@ def _task_from(
 
 def _pool_ref(req: SamplingFields) -> PoolRef | None:
     ref = req.pool_ref()
-    if isinstance(ref, str) and ref.isdigit():
-        return int(ref)
+    if isinstance(ref, str) and (number := decimal(ref)) is not None:
+        return number
     if req.shared_prefix_n_tokens is not None and ref is None:
         raise ApiError(400, "shared_prefix_n_tokens needs pool_id (or shared_pool_slot)")
     return ref
@@ -147,8 +152,8 @@ def _headers(
         pressure = ctx.gate.compaction_pressure(snap.pool(task.pool.pool_id) if task.pool else None)
         headers["x-polykv-compaction-pressure"] = f"{pressure:.3f}"
     ignored = req.ignored_fields()
-    if ignored:
-        headers[IGNORED_HEADER] = ",".join(ignored)
+    if ignored:  # names come from the client: percent-encoded, never raw into a header
+        headers[IGNORED_HEADER] = ",".join(quote(name, safe="") for name in ignored)
     if task.session_id:
         headers["x-session-id"] = task.session_id
     if task.pool is not None:
@@ -172,14 +177,15 @@ async def _run(
         raise ApiError(
             503, "server is shutting down", headers={"Retry-After": "5"}, reason="shutting_down"
         )
+    assert ctx.gate is not None
     if ctx.engine.snapshot.n_waiting >= ctx.engine.cfg.max_queue:
+        ctx.gate.record_refusal(task, None)
         raise ApiError(
             503,
             f"the engine queue is full ({ctx.engine.cfg.max_queue} requests wait for a slot)",
             headers={"Retry-After": "2"},
             reason="queue_full",
         )
-    assert ctx.gate is not None
     rehomed = request.headers.get(REHOMED_HEADER, "") in ("1", "true")
     extra_headers = await ctx.gate.admit(task, req.overcommit, rehomed)
     ctx.engine.submit(task)
@@ -193,6 +199,10 @@ async def _run(
             resp = await _whole(ctx, req, task, sink, builder, extra_headers)
         done = True
         return resp
+    except ApiError as exc:
+        if exc.reason == "queue_full":  # turned away: demand the autoscaler must see
+            ctx.gate.record_refusal(task, None)
+        raise
     finally:
         ctx.gate.finished(task)
         if not done:

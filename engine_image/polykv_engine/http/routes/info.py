@@ -16,6 +16,7 @@ from polykv_engine.core.snapshot import EngineSnapshot
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.errors import ApiError
 from polykv_engine.http.metrics import PoolGauges
+from polykv_engine.ids import decimal
 
 METRICS_REGISTRY = web.AppKey("metrics_registry", object)
 
@@ -196,9 +197,10 @@ async def polykv_tps(request: web.Request) -> web.StreamResponse:
     interval_ms = ctx.settings.tps_stream_interval_ms
     raw = request.query.get("interval_ms")
     if raw is not None:
-        if not raw.isdigit() or not 50 <= int(raw) <= 60_000:
+        value = decimal(raw)
+        if value is None or not 50 <= value <= 60_000:
             raise ApiError(400, "interval_ms: an integer between 50 and 60000")
-        interval_ms = int(raw)
+        interval_ms = value
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -229,6 +231,10 @@ async def _pool_gauges(ctx: AppContext) -> list[PoolGauges]:
                 gen_throughput_tps=sum(decoding),
                 mean_active_tps=p.mean_active_tps,
                 compaction_pressure=pressure,
+                active_sessions=p.n_active,
+                active_tps_sum=p.active_tps_sum,
+                floor_tps=p.admission.target_tps_per_session if p.admission else 0.0,
+                refused_sessions=ctx.gate.refused_recently(p.name or str(p.pool_id)),
             )
         )
     return rows

@@ -30,6 +30,7 @@ from polykv_engine.core.engine import Engine
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.auth import require_admin
 from polykv_engine.http.errors import ApiError, parse
+from polykv_engine.ids import decimal
 from polykv_engine.pools.manager import PoolSpec
 from polykv_engine.pools.tree import Pool, PoolError, validate_name
 
@@ -54,6 +55,11 @@ async def pool_listing(ctx: AppContext, ref: PoolRef | None = None) -> PoolList:
     listing = await on_engine(ctx, lambda e: pool_ops.listing(e, ctx.boot_id, ref))
     snap = ctx.engine.snapshot
     assert ctx.gate is not None
+    pressure, active, refused, headroom = ctx.gate.autoscale()
+    listing.floor_pressure = pressure
+    listing.sessions_active = active
+    listing.sessions_refused = refused
+    listing.sessions_headroom = headroom
     for status in listing.pools:
         pool = snap.pool(status.pool_id)
         if pool is None:
@@ -72,7 +78,8 @@ async def pool_listing(ctx: AppContext, ref: PoolRef | None = None) -> PoolList:
 
 def _ref(request: web.Request) -> PoolRef:
     raw = request.match_info["pool"]
-    return int(raw) if raw.isdigit() else raw
+    number = decimal(raw)
+    return number if number is not None else raw
 
 
 def _prefix_tokens(ctx: AppContext, req: PoolPrefix) -> list[int] | None:
@@ -206,9 +213,10 @@ def _int_query(request: web.Request, name: str) -> int | None:
     raw = request.query.get(name)
     if raw is None:
         return None
-    if not raw.isdigit() or int(raw) < 1:
+    value = decimal(raw)
+    if value is None or value < 1:
         raise ApiError(400, f"{name}: a positive integer, got {raw!r}")
-    return int(raw)
+    return value
 
 
 async def get_capacity(request: web.Request) -> web.Response:
@@ -238,7 +246,7 @@ async def slot_action(request: web.Request) -> web.Response:
     require_admin(request)
     ctx = ctx_of(request)
     raw = request.match_info["slot"]
-    if not raw.isdigit():
+    if decimal(raw) is None:
         raise ApiError(400, f"slot id must be an integer, got {raw!r}")
     action = request.query.get("action")
     if action != "erase":

@@ -1,0 +1,306 @@
+"""The generated parts of the Helm chart: ``python -m polykv_operator.chartgen [--check]``.
+
+- ``helm/polykv/crds/``: the same files crdgen writes to ``crds/`` (one source: ``api/``).
+- ``helm/polykv/values.schema.json``: every chart value, closed (``additionalProperties:
+  false``), so a typo or a wrong type fails ``helm install`` naming the field; the specs of
+  ``engines``, ``pools`` and ``admissionPolicies`` are the CRDs' own spec schemas, closed too.
+- ``helm/polykv/docs/argocd-cm.yaml``: the Argo CD health checks (``files/argocd/health.lua``)
+  as the ``resource.customizations.health.*`` keys of argocd-cm.
+
+tests/helm/test_chartgen.py fails when a committed file differs from what this writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import crdgen
+from .api import ADMISSION, ENGINE, GROUP, POOL, Kind
+
+Schema = dict[str, Any]
+
+CHART = Path(__file__).resolve().parents[2] / "helm" / "polykv"
+
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+QUANTITY = {"type": ["string", "number"]}
+
+STR: Schema = {"type": "string"}
+BOOL: Schema = {"type": "boolean"}
+
+
+def closed(properties: dict[str, Schema], required: tuple[str, ...] = (), **extra: Any) -> Schema:
+    out: Schema = {"type": "object", "additionalProperties": False, "properties": properties}
+    if required:
+        out["required"] = list(required)
+    return {**out, **extra}
+
+
+def string_map(description: str) -> Schema:
+    return {"type": "object", "description": description, "additionalProperties": STR}
+
+
+def free(description: str, kind: str = "object") -> Schema:
+    """A Kubernetes structure passed through as written (affinity, tolerations...)."""
+    return {"type": kind, "description": description}
+
+
+def integer(lo: int, hi: int | None = None, description: str = "") -> Schema:
+    out: Schema = {"type": "integer", "minimum": lo}
+    if hi is not None:
+        out["maximum"] = hi
+    if description:
+        out["description"] = description
+    return out
+
+
+def selector(description: str) -> Schema:
+    return closed(
+        {
+            "matchLabels": string_map("labels the object must carry"),
+            "matchExpressions": free("set-based requirements", "array"),
+        },
+        description=description,
+    )
+
+
+def strict(node: Any) -> Any:
+    """A CRD schema node, closed wherever it lists properties and keeps nothing unknown
+    (the API server would prune an unknown field silently; the chart refuses it)."""
+    if isinstance(node, dict):
+        out = {k: strict(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
+        if "properties" in out and not node.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(node, list):
+        return [strict(v) for v in node]
+    return node
+
+
+def objects(kind: Kind, drop_required: tuple[str, ...] = ()) -> Schema:
+    spec = strict(crdgen.model_schema(kind.spec, keep_defaults=False))
+    if drop_required:
+        spec["required"] = [r for r in spec.get("required", []) if r not in drop_required]
+    item = closed(
+        {
+            "name": {"type": "string", "pattern": DNS_SUBDOMAIN, "maxLength": 253},
+            "namespace": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63},
+            "labels": string_map("extra labels"),
+            "annotations": string_map("extra annotations"),
+            "spec": spec,
+        },
+        ("name", "spec"),
+    )
+    return {
+        "type": "array",
+        "description": f"{kind.kind} objects ({GROUP}) created with the release.",
+        "items": item,
+    }
+
+
+def image(with_pull_policy: bool) -> Schema:
+    props: dict[str, Schema] = {
+        "repository": {"type": "string", "minLength": 1},
+        "tag": {"type": "string", "description": "empty: the chart's appVersion"},
+    }
+    if with_pull_policy:
+        props["pullPolicy"] = {"enum": ["Always", "IfNotPresent", "Never"]}
+    return closed(props, ("repository",))
+
+
+def values_schema() -> Schema:
+    port = integer(1, 65535)
+    peer = closed(
+        {
+            "namespaceSelector": selector("namespaces of the peers ({}: every namespace)"),
+            "podSelector": selector("the peer pods"),
+        },
+        ("namespaceSelector", "podSelector"),
+    )
+    labels_only = closed(
+        {"enabled": BOOL, "labels": string_map("labels for the Prometheus Operator")}
+    )
+    schema = closed(
+        {
+            "image": closed(
+                {"operator": image(True), "engine": image(False)}, ("operator", "engine")
+            ),
+            "imagePullSecrets": {
+                "type": "array",
+                "items": closed({"name": {"type": "string", "minLength": 1}}, ("name",)),
+            },
+            "operator": closed(
+                {
+                    "replicas": {
+                        "enum": [0, 1],
+                        "description": "kopf runs standalone: at most one replica",
+                    },
+                    "watchNamespaces": {
+                        "type": "array",
+                        "uniqueItems": True,
+                        "items": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63},
+                    },
+                    "pollIntervalSeconds": {"type": "number", "exclusiveMinimum": 0},
+                    "logFormat": {"enum": ["json", "plain", "full"]},
+                    "verbose": BOOL,
+                    "metricsPort": port,
+                    "healthPort": port,
+                    "resources": closed(
+                        {
+                            "requests": {"type": "object", "additionalProperties": QUANTITY},
+                            "limits": {"type": "object", "additionalProperties": QUANTITY},
+                        }
+                    ),
+                    "podLabels": string_map("extra labels of the operator pod"),
+                    "podAnnotations": string_map("extra annotations of the operator pod"),
+                    "nodeSelector": string_map("node labels"),
+                    "tolerations": free("as in a Pod spec", "array"),
+                    "affinity": free("as in a Pod spec"),
+                    "priorityClassName": STR,
+                    "extraEnv": free("more env entries for the operator container", "array"),
+                }
+            ),
+            "masterKey": closed(
+                {
+                    "existingSecret": {
+                        "type": "string",
+                        "description": "a Secret of yours; empty: the chart generates one",
+                    },
+                    "secretKey": {"type": "string", "minLength": 1},
+                }
+            ),
+            "serviceAccount": closed(
+                {"create": BOOL, "name": STR, "annotations": string_map("annotations")}
+            ),
+            "rbac": closed({"create": BOOL}),
+            "crds": closed({"upgrade": BOOL}),
+            "cleanup": closed(
+                {"onUninstall": BOOL, "timeoutSeconds": integer(10, 3600)},
+            ),
+            "podSecurity": closed(
+                {"runAsUser": integer(1), "runAsGroup": integer(1)},
+                description="restricted Pod Security: never root (uid/gid 0 is refused)",
+            ),
+            "networkPolicy": closed(
+                {
+                    "enabled": BOOL,
+                    "agents": peer,
+                    "scrapers": peer,
+                    "engineNamespaces": {
+                        "type": "array",
+                        "items": {"type": "string", "pattern": DNS_LABEL},
+                    },
+                    "apiServer": closed(
+                        {
+                            "cidrs": {
+                                "type": "array",
+                                "minItems": 1,
+                                "items": {
+                                    "type": "string",
+                                    "pattern": r"^[0-9a-fA-F:.]+/[0-9]{1,3}$",
+                                },
+                            },
+                            "ports": {"type": "array", "minItems": 1, "items": port},
+                        }
+                    ),
+                    "engineEgress": free("NetworkPolicy egress rules of the engines", "array"),
+                }
+            ),
+            "podDisruptionBudget": closed(
+                {"enabled": BOOL, "maxUnavailable": {"type": ["integer", "string"]}}
+            ),
+            "metrics": closed(
+                {
+                    "serviceMonitor": closed(
+                        {
+                            **labels_only["properties"],
+                            "interval": {"type": "string", "pattern": r"^[0-9]+(ms|s|m|h)$"},
+                        }
+                    ),
+                    "prometheusRule": labels_only,
+                }
+            ),
+            "grafana": closed(
+                {
+                    "dashboard": closed(
+                        {
+                            "enabled": BOOL,
+                            "labels": string_map("labels Grafana's sidecar selects"),
+                            "annotations": string_map("annotations (a folder, say)"),
+                        }
+                    )
+                }
+            ),
+            "syncWaves": closed(
+                {
+                    "engines": {"type": "integer"},
+                    "admissionPolicies": {"type": "integer"},
+                    "pools": {"type": "integer"},
+                }
+            ),
+            "engines": objects(ENGINE),
+            "pools": objects(POOL),
+            "admissionPolicies": objects(ADMISSION),
+            "tests": closed({"enabled": BOOL, "timeoutSeconds": integer(10, 3600)}),
+        }
+    )
+    schema["$schema"] = "https://json-schema.org/draft-07/schema#"
+    schema["title"] = "polykv chart values"
+    return schema
+
+
+def argocd_snippet(chart: Path = CHART) -> str:
+    """argocd-cm data keys for the three kinds: the one script, files/argocd/health.lua."""
+    lua = (chart / "files" / "argocd" / "health.lua").read_text()
+    data = {
+        f"resource.customizations.health.{GROUP}_{k.kind}": lua for k in (ENGINE, POOL, ADMISSION)
+    }
+    cm = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "argocd-cm",
+            "namespace": "argocd",
+            "labels": {"app.kubernetes.io/part-of": "argocd"},
+        },
+        "data": data,
+    }
+
+    class Literal(yaml.SafeDumper):
+        pass
+
+    def block(dumper: yaml.SafeDumper, text: str) -> yaml.Node:
+        style = "|" if "\n" in text else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+    Literal.add_representer(str, block)
+    header = (
+        "# Generated by `python -m polykv_operator.chartgen` from files/argocd/health.lua.\n"
+        "# Argo CD health checks for the PolyKV kinds: merge these keys into argocd-cm\n"
+        "# (kubectl -n argocd patch configmap argocd-cm --patch-file argocd-cm.yaml).\n"
+    )
+    return header + yaml.dump(cm, Dumper=Literal, sort_keys=False, width=100)
+
+
+def files(chart: Path = CHART) -> dict[Path, str]:
+    out = {chart / "crds" / name: text for name, text in crdgen.files().items()}
+    out[chart / "values.schema.json"] = json.dumps(values_schema(), indent=2) + "\n"
+    out[chart / "docs" / "argocd-cm.yaml"] = argocd_snippet(chart)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m polykv_operator.chartgen", description=__doc__)
+    p.add_argument("--check", action="store_true", help="exit 1 when a file differs")
+    args = p.parse_args(argv)
+    return crdgen.sync(files(), args.check, "python -m polykv_operator.chartgen")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""The request path: which replica serves a request, and what happens when it cannot.
+
+- **Continuation** (the session is bound, or a replica says it holds it): to that replica,
+  never gated. If the replica is gone (pod deleted or replaced, engine restarted, connection
+  refused, draining, or it no longer holds the session and refuses it as new), the session
+  is **re-homed**: sent to the best other replica with ``x-polykv-rehomed: 1`` (the engine
+  admits it without the gate and counts it), rebound, and counted here.
+- **New session** (nobody holds it) and **one-shot** (no session id): placed by the picker
+  over each replica's capacity for the pool and the reservations in flight; a refusal moves
+  to the next candidate; when all refuse, one 429 with the smallest Retry-After.
+- **Other routes** (``/props``, ``/tokenize``, ...): the least loaded serving replica.
+
+A miss in the binding table is not a new session yet: every replica is asked
+(``GET /polykv/sessions/{id}``) first, so a restarted router, or a second one, finds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from polykv_api import models as wire
+
+from .bindings import Binding, Bindings
+from .capacity import CapacityPoller
+from .config import Config
+from .engines import EngineError, Engines
+from .errors import Refusal, error_body, fleet_refusal
+from .fleet import Fleet, Replica
+from .metrics import Metrics
+from .names import REHOMED_HEADER, REPLICA_HEADER, SESSION_HEADER
+from .picker import rank
+from .proxy import Outcome, Proxy, Refused, Relayed
+from .request import RoutingKey, routing_key
+from .reservations import Reservations
+
+log = logging.getLogger("polykv.router")
+
+Attempts = tuple[Relayed | None, list[Refusal], int]
+
+
+class Router:
+    def __init__(
+        self,
+        cfg: Config,
+        fleet: Fleet,
+        bindings: Bindings,
+        reservations: Reservations,
+        poller: CapacityPoller,
+        engines: Engines,
+        proxy: Proxy,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.fleet = fleet
+        self.bindings = bindings
+        self.reservations = reservations
+        self.poller = poller
+        self.engines = engines
+        self.proxy = proxy
+        self.metrics = metrics
+        self.clock = clock
+        self._lookups: dict[str, asyncio.Task[Binding | None]] = {}
+
+    # ------------------------------------------------------------------ entry points
+
+    async def inference(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        body = await request.read()
+        key = routing_key(request.headers.get(SESSION_HEADER), body)
+        if key.session is None:
+            return await self._place(request, body, key, t0, "oneshot")
+        binding = self.bindings.get(key.session, self.clock())
+        if binding is None:
+            binding = await self._lookup(key.session, key.pool)
+        if binding is None:
+            return await self._place(request, body, key, t0, "new")
+        return await self._continue(request, body, key, binding, t0)
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        body = await request.read()
+        order = self._rank(None, gated=False)
+        self._observe("other", t0)
+        relayed, refusals, _ = await self._attempts(request, body, order, None, None)
+        if relayed is not None:
+            return relayed.response
+        return self._refused(None, refusals, placement=False)
+
+    # ------------------------------------------------------------------ new sessions
+
+    async def _place(
+        self, request: web.Request, body: bytes, key: RoutingKey, t0: float, kind: str
+    ) -> web.StreamResponse:
+        if key.pool is not None:
+            await self.poller.warm(key.pool, self.cfg.lookup_timeout_s)
+        order = self._rank(key.pool, gated=True)
+        self._observe(kind, t0)
+        relayed, refusals, tried = await self._attempts(
+            request, body, order, key.session, key.pool, bind=True
+        )
+        if relayed is not None:
+            ok = 200 <= relayed.status < 300
+            result = ("placed" if tried == 1 else "retried") if ok else "error"
+            self.metrics.placements.labels(result).inc()
+            if ok and key.session is not None:
+                log.info(
+                    "session placed",
+                    extra={"fields": {"session": key.session, "pool": key.pool,
+                                      "replica": relayed.response.headers.get(REPLICA_HEADER),
+                                      "attempts": tried}},
+                )  # fmt: skip
+            return relayed.response
+        return self._refused(key.pool, refusals, placement=True)
+
+    # ------------------------------------------------------------------ continuations
+
+    async def _continue(
+        self, request: web.Request, body: bytes, key: RoutingKey, b: Binding, t0: float
+    ) -> web.StreamResponse:
+        assert key.session is not None
+        pool = key.pool if key.pool is not None else b.pool
+        r = self.fleet.get(b.replica)
+        why: str | None = None
+        if r is None or r.pod.uid != b.uid:
+            why = "pod_gone"
+        elif b.boot_id is None:
+            b.boot_id = r.boot_id  # placed before the first poll of this replica: learn it now
+        elif r.boot_id is not None and r.boot_id != b.boot_id:
+            why = await self._restarted(r, key.session, b)
+        if why is None and r is not None:
+            self._observe("continuation", t0)
+            outcome = await self._send(request, body, r, key.session, pool, bind=False)
+            if isinstance(outcome, Relayed):
+                self.bindings.touch(key.session, self.clock())
+                return outcome.response
+            if isinstance(outcome, Refused):
+                # A 503: it is draining or lost its KV. A 429: it no longer holds the session
+                # (a continuation is never gated), so to it this was a new session.
+                why = "draining" if outcome.refusal.status == 503 else "lost"
+            else:
+                why = "unreachable"
+            return await self._rehome(request, body, key.session, pool, b.replica, why, None)
+        assert why is not None
+        return await self._rehome(request, body, key.session, pool, b.replica, why, t0)
+
+    async def _restarted(self, r: Replica, session: str, b: Binding) -> str | None:
+        """The replica's engine restarted since the session was bound. If the new process
+        holds the session anyway (a turn reached it since), keep it; else it is gone."""
+        try:
+            info = await self.engines.session(r.pod, session)
+        except EngineError:
+            return "restarted"
+        if info is not None and info.boot_id == r.boot_id:
+            b.boot_id = info.boot_id
+            return None
+        return "restarted"
+
+    async def _rehome(
+        self,
+        request: web.Request,
+        body: bytes,
+        session: str,
+        pool: str | None,
+        old: str,
+        why: str,
+        t0: float | None,
+    ) -> web.StreamResponse:
+        """``t0`` is None when the time before the first try has been counted already."""
+        if pool is not None:
+            await self.poller.warm(pool, self.cfg.lookup_timeout_s)
+        order = self._rank(pool, gated=False, avoid=old)
+        if t0 is not None:
+            self._observe("rehome", t0)
+        relayed, refusals, _ = await self._attempts(
+            request, body, order, session, pool, extra={REHOMED_HEADER: "1"}, bind=True
+        )
+        if relayed is None:
+            log.warning(
+                "session could not be re-homed",
+                extra={"fields": {"session": session, "from": old, "reason": why}},
+            )
+            return self._refused(pool, refusals, placement=False)
+        self.metrics.rehomes.labels(why).inc()
+        log.info(
+            "session re-homed",
+            extra={"fields": {"session": session, "pool": pool, "from": old, "reason": why,
+                              "to": relayed.response.headers.get(REPLICA_HEADER)}},
+        )  # fmt: skip
+        return relayed.response
+
+    # ------------------------------------------------------------------ lookups
+
+    async def _lookup(self, session: str, pool: str | None) -> Binding | None:
+        """Asks every replica whether it holds the session (one question per session at a
+        time, however many requests wait for the answer)."""
+        task = self._lookups.get(session)
+        if task is None:
+            task = asyncio.create_task(self._ask_all(session, pool))
+            self._lookups[session] = task
+            task.add_done_callback(lambda _: self._lookups.pop(session, None))
+        return await asyncio.shield(task)
+
+    async def _ask_all(self, session: str, pool: str | None) -> Binding | None:
+        replicas = list(self.fleet)
+        answers = await asyncio.gather(*(self._ask(r, session) for r in replicas))
+        found = [(r, info) for r, info in zip(replicas, answers, strict=True) if info is not None]
+        if not found:
+            self.metrics.lookups.labels("not_found").inc()
+            return None
+        # Two holders (a copy left behind by a re-home): the serving one, then the longer
+        # context, which has the later turns.
+        r, info = max(found, key=lambda f: (f[0].pod.serving, f[1].ctx_used))
+        b = Binding(r.name, r.pod.uid, info.boot_id, pool or info.pool_name, self.clock())
+        self.bindings.bind(session, b)
+        self.metrics.lookups.labels("found").inc()
+        log.info(
+            "session found on a replica",
+            extra={"fields": {"session": session, "replica": r.name, "holders": len(found)}},
+        )
+        return b
+
+    async def _ask(self, r: Replica, session: str) -> wire.SessionInfo | None:
+        try:
+            return await self.engines.session(r.pod, session)
+        except EngineError as exc:
+            log.debug("session lookup failed: %s", exc)
+            return None
+
+    # ------------------------------------------------------------------ sending
+
+    def _rank(self, pool: str | None, gated: bool, avoid: str | None = None) -> list[str]:
+        now = self.clock()
+        views = self.fleet.views(
+            pool, self.bindings.per_replica(), now, self.cfg.capacity_max_age_s
+        )
+        reserved = self.reservations.counts(pool, now) if pool is not None else {}
+        return rank(views, reserved, gated=gated, avoid=avoid)
+
+    async def _attempts(
+        self,
+        request: web.Request,
+        body: bytes,
+        order: list[str],
+        session: str | None,
+        pool: str | None,
+        extra: dict[str, str] | None = None,
+        bind: bool = False,
+    ) -> Attempts:
+        """Tries the candidates in order (at most max_attempts): the first that does not
+        refuse answers the client. Returns (that answer or None, the refusals, tries)."""
+        refusals: list[Refusal] = []
+        tried = 0
+        for name in order[: self.cfg.max_attempts]:
+            r = self.fleet.get(name)
+            if r is None:
+                continue
+            tried += 1
+            outcome = await self._send(request, body, r, session, pool, extra, bind)
+            if isinstance(outcome, Relayed):
+                return outcome, refusals, tried
+            if isinstance(outcome, Refused):
+                refusals.append(outcome.refusal)
+                self.metrics.engine_refusals.labels(outcome.refusal.reason).inc()
+            else:
+                refusals.append(Refusal(name, 503, "unreachable", None))
+                log.warning(
+                    "replica unreachable: %s", outcome.error, extra={"fields": {"pod": name}}
+                )
+        return None, refusals, tried
+
+    async def _send(
+        self,
+        request: web.Request,
+        body: bytes,
+        r: Replica,
+        session: str | None,
+        pool: str | None,
+        extra: dict[str, str] | None = None,
+        bind: bool = False,
+    ) -> Outcome:
+        """One try on one replica, with its reservation, in-flight count and binding."""
+        # A placement or a re-home adds a session to the replica: reserve it. A continuation
+        # is already in the replica's figures.
+        reserve = bind and pool is not None
+        res = self.reservations.add(r.name, pool, self.clock()) if reserve and pool else None
+        boot, uid = r.boot_id, r.pod.uid
+
+        def accept(status: int) -> None:
+            now = self.clock()
+            ok = 200 <= status < 300
+            if res is not None:
+                if ok:
+                    self.reservations.accepted(res, now)
+                else:
+                    self.reservations.release(res)
+            if ok and bind and session is not None:
+                self.bindings.bind(session, Binding(r.name, uid, boot, pool, now))
+
+        r.in_flight += 1
+        try:
+            outcome = await self.proxy.forward(request, body, r.pod, extra, accept)
+        finally:
+            r.in_flight -= 1
+            if res is not None and res.accepted_at is None:
+                self.reservations.release(res)
+        return outcome
+
+    # ------------------------------------------------------------------ answers
+
+    def _refused(self, pool: str | None, refusals: list[Refusal], placement: bool) -> web.Response:
+        if not refusals:
+            if placement:
+                self.metrics.placements.labels("unavailable").inc()
+            body = error_body(503, "no_replica", "no engine replica is serving")
+            return web.json_response(body, status=503, headers={"Retry-After": "1"})
+        status, body, retry = fleet_refusal(pool, refusals)
+        if placement:
+            self.metrics.placements.labels("rejected" if status == 429 else "unavailable").inc()
+        if status == 429:
+            reason = str(body["error"]["reason"])
+            self.metrics.fleet_rejects.labels(reason).inc()
+            log.info(
+                "every replica refused a new session",
+                extra={"fields": {"pool": pool, "reason": reason, "retry_after": retry,
+                                  "tried": [f.replica for f in refusals]}},
+            )  # fmt: skip
+        return web.json_response(body, status=status, headers={"Retry-After": str(retry)})
+
+    def _observe(self, kind: str, t0: float) -> None:
+        self.metrics.added_latency.labels(kind).observe(time.perf_counter() - t0)

@@ -1,0 +1,41 @@
+"""The chart and the helm binary built with the local control plane (scripts/build-k8s.sh)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+from pathlib import Path
+
+from polykv_testenv.bins import ensure_binaries
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "polykv"
+
+
+@functools.cache
+def bin_dir() -> Path:
+    return ensure_binaries()
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """helm with no cluster: its caches in a temporary home, no KUBECONFIG."""
+    home = Path(os.environ.get("TMPDIR", "/tmp")) / "polykv-helm-home"
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": str(home),
+        "HELM_CACHE_HOME": str(home / "cache"),
+        "HELM_CONFIG_HOME": str(home / "config"),
+        "HELM_DATA_HOME": str(home / "data"),
+    }
+    out = subprocess.run(
+        [str(bin_dir() / "helm"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    if check and out.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
+    return out

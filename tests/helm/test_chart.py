@@ -1,0 +1,195 @@
+"""The chart without a cluster: `helm lint --strict`, what `helm template` renders for the
+values that change its shape, and the generated files against their sources."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from polykv_operator import chartgen, crdgen
+
+from .chart import CHART, ROOT, helm
+
+Obj = dict[str, Any]
+
+EXAMPLE_VALUES: Obj = {
+    "engines": [
+        {
+            "name": "demo",
+            "namespace": "agents",
+            "spec": {"model": {"path": "/models/m.gguf"}, "replicas": 2},
+        }
+    ],
+    "pools": [
+        {
+            "name": "crew",
+            "namespace": "agents",
+            "labels": {"tier": "interactive"},
+            "spec": {"engineRef": {"name": "demo"}, "text": "You are the crew."},
+        }
+    ],
+    "admissionPolicies": [
+        {
+            "name": "floor",
+            "namespace": "agents",
+            "spec": {"poolRefs": [{"name": "crew"}], "targetTpsPerSession": 5},
+        }
+    ],
+}
+
+
+def render(tmp: Path, values: Obj | None = None, *args: str) -> list[Obj]:
+    extra: list[str] = []
+    if values is not None:
+        path = tmp / "values.yaml"
+        path.write_text(yaml.safe_dump(values))
+        extra = ["-f", str(path)]
+    out = helm("template", "rel", str(CHART), "-n", "polykv-system", *extra, *args)
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def kinds(docs: list[Obj]) -> list[str]:
+    return [d["kind"] for d in docs]
+
+
+def named(docs: list[Obj], kind: str) -> dict[str, Obj]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def test_lint_strict(tmp_path: Path) -> None:
+    helm("lint", "--strict", str(CHART))
+    values = tmp_path / "v.yaml"
+    values.write_text(yaml.safe_dump(EXAMPLE_VALUES))
+    helm("lint", "--strict", str(CHART), "-f", str(values))
+
+
+def test_generated_files_match_their_sources() -> None:
+    """crds/ of the chart == crds/ of the repo == the models; schema and Argo CD snippet."""
+    for path, text in chartgen.files().items():
+        assert path.read_text() == text, f"{path} is stale: python -m polykv_operator.chartgen"
+    for name, text in crdgen.files().items():
+        assert (CHART / "crds" / name).read_text() == (ROOT / "crds" / name).read_text() == text
+
+
+def test_rbac_rules_are_the_plain_manifests_rules() -> None:
+    chart_rules = yaml.safe_load((CHART / "files" / "operator-rules.yaml").read_text())
+    docs = list(yaml.safe_load_all((ROOT / "operator" / "deploy" / "rbac.yaml").read_text()))
+    role = next(d for d in docs if d and d["kind"] == "ClusterRole")
+    assert chart_rules == role["rules"]
+    verbs = {v for rule in chart_rules for v in rule["verbs"]}
+    assert not verbs & {"*", "escalate", "bind", "impersonate", "get"}
+    resources = {x for rule in chart_rules for x in rule["resources"]}
+    assert not resources & {"*", "pods/exec"}
+
+
+def test_default_install(tmp_path: Path) -> None:
+    docs = render(tmp_path)
+    assert {"Deployment", "ServiceAccount", "ClusterRole", "Secret", "NetworkPolicy"} <= set(
+        kinds(docs)
+    )
+    # No Prometheus Operator in the cluster: no ServiceMonitor, no PrometheusRule.
+    assert "ServiceMonitor" not in kinds(docs) and "PrometheusRule" not in kinds(docs)
+    (dep,) = named(docs, "Deployment").values()
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["image"] == "polykv/operator:0.1.0"
+    assert "--all-namespaces" in c["args"]
+    assert dep["spec"]["strategy"] == {"type": "Recreate"} and dep["spec"]["replicas"] == 1
+    secret = named(docs, "Secret")["rel-polykv-master-key"]
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(secret["data"]["master-key"]) > 40
+
+
+def test_every_pod_meets_the_restricted_profile(tmp_path: Path) -> None:
+    docs = render(tmp_path, EXAMPLE_VALUES)
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "Job")]
+    pods += [d["spec"] for d in docs if d["kind"] == "Pod"]
+    assert len(pods) == 4  # operator, CRD upgrade job, cleanup job, helm test
+    for pod in pods:
+        sc = pod["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc["runAsUser"] != 0
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        for c in pod["containers"]:
+            csc = c["securityContext"]
+            assert csc["allowPrivilegeEscalation"] is False
+            assert csc["readOnlyRootFilesystem"] is True
+            assert csc["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_objects_from_values_with_sync_waves_pdbs_and_policies(tmp_path: Path) -> None:
+    docs = render(tmp_path, EXAMPLE_VALUES)
+    waves = {
+        d["kind"]: int(d["metadata"]["annotations"]["argocd.argoproj.io/sync-wave"])
+        for d in docs
+        if d["apiVersion"] == "polykv.io/v1alpha1"
+    }
+    assert waves["PolyKVEngine"] < waves["AdmissionPolicy"] < waves["PolyKVPool"]
+    engine = named(docs, "PolyKVEngine")["demo"]
+    assert engine["metadata"]["namespace"] == "agents"
+    assert engine["spec"]["image"] == "polykv/engine:0.1.0"  # the chart's engine image
+    pdb = named(docs, "PodDisruptionBudget")["demo-engine"]
+    assert pdb["spec"]["selector"]["matchLabels"] == {"polykv.io/engine": "demo"}
+    policies = {
+        (d["metadata"]["namespace"], d["metadata"]["name"])
+        for d in docs
+        if d["kind"] == "NetworkPolicy"
+    }
+    assert ("agents", "rel-polykv-engines") in policies
+    assert ("polykv-system", "rel-polykv-default-deny") in policies
+    test_pod = named(docs, "Pod")["rel-polykv-test"]
+    args = test_pod["spec"]["containers"][0]["command"]
+    assert "--pool=agents/crew/demo" in args and "--engine=agents/demo" in args
+
+
+def test_monitoring_objects_when_their_crds_exist(tmp_path: Path) -> None:
+    docs = render(
+        tmp_path,
+        None,
+        "--api-versions=monitoring.coreos.com/v1/ServiceMonitor",
+        "--api-versions=monitoring.coreos.com/v1/PrometheusRule",
+    )
+    monitors = named(docs, "ServiceMonitor")
+    assert set(monitors) == {"rel-polykv-operator", "rel-polykv-engines"}
+    (rule,) = named(docs, "PrometheusRule").values()
+    alerts = yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
+    assert rule["spec"] == alerts
+    names = {r["alert"] for g in alerts["groups"] for r in g["rules"]}
+    assert names == {
+        "PolyKVPoolStalled",
+        "PolyKVBelowTpsFloor",
+        "PolyKVEngineRestartLoop",
+        "PolyKVOrphanedPin",
+    }
+    dash = named(docs, "ConfigMap")["rel-polykv-dashboard"]
+    panels = json.loads(dash["data"]["polykv.json"])["panels"]
+    assert len({p["id"] for p in panels}) == len(panels) >= 10
+
+
+def test_existing_secret_and_namespaced_operator(tmp_path: Path) -> None:
+    values = {
+        "masterKey": {"existingSecret": "mine", "secretKey": "k"},
+        "operator": {"watchNamespaces": ["a", "b"]},
+    }
+    docs = render(tmp_path, values)
+    assert "Secret" not in kinds(docs)
+    (dep,) = named(docs, "Deployment").values()
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POLYKV_OPERATOR_MASTER_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "mine",
+        "key": "k",
+    }
+    assert "--namespace=a" in c["args"] and "--all-namespaces" not in c["args"]
+    cleanup = named(docs, "Job")["rel-polykv-hooks-cleanup"]
+    assert "--namespace=b" in cleanup["spec"]["template"]["spec"]["containers"][0]["command"]
+
+
+@pytest.mark.parametrize("flag", ["cleanup.onUninstall=false", "crds.upgrade=false"])
+def test_hooks_can_be_turned_off(tmp_path: Path, flag: str) -> None:
+    jobs = named(render(tmp_path, None, "--set", flag), "Job")
+    gone = "rel-polykv-hooks-cleanup" if flag.startswith("cleanup") else "rel-polykv-hooks-crds"
+    assert gone not in jobs and len(jobs) == 1

@@ -1,0 +1,385 @@
+"""The router in front of real engine processes (static replicas, no Kubernetes): streaming
+pass-through, the refusal paths, re-homing, a router restart, and every request field or
+header the router reads, refused where it is malformed.
+
+The engines run the generated test model with f32 KV (greedy output is then the same for
+the same prompt, whichever way it reaches the engine). Waits are on conditions, never sleeps.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from polykv_engine.testing import EngineProcess
+from polykv_testenv.waiting import wait_for
+
+from .helpers import (
+    PREFIX,
+    RouterProcess,
+    assert_same_stream,
+    create_pool,
+    metrics,
+    pool_prefix,
+    saturate,
+    total,
+)
+
+ENGINE_ARGS = ("-np", "2", "-c", "4096", "-t", "1", "--metrics", "-ctk", "f32", "-ctv", "f32")
+
+StartFleet = Callable[..., dict[str, EngineProcess]]
+StartRouter = Callable[..., RouterProcess]
+
+
+@pytest.fixture
+def start_fleet(test_model: Path, tmp_path: Path) -> Iterator[StartFleet]:
+    started: list[EngineProcess] = []
+
+    def start(*names: str, pool: str | None = None) -> dict[str, EngineProcess]:
+        """Engines by name, each holding ``pool`` when one is named."""
+        out = {}
+        for name in names:
+            eng = EngineProcess(
+                model=test_model, args=ENGINE_ARGS, log_path=tmp_path / f"{name}.log"
+            )
+            eng.start(timeout=120)
+            started.append(eng)
+            out[name] = eng
+            if pool is not None:
+                create_pool(client(eng.base_url), pool)
+        return out
+
+    yield start
+    for eng in started:
+        eng.stop()
+
+
+@pytest.fixture
+def start_router(tmp_path: Path) -> Iterator[StartRouter]:
+    started: list[RouterProcess] = []
+
+    def start(replicas: dict[str, str], *args: str) -> RouterProcess:
+        r = RouterProcess(replicas, tmp_path / f"router-{len(started)}.log", args).start()
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.stop()
+        print(f"router log: {r.log_path}")
+
+
+def urls(engines: dict[str, EngineProcess]) -> dict[str, str]:
+    return {name: e.base_url for name, e in engines.items()}
+
+
+def client(base_url: str) -> httpx.Client:
+    return httpx.Client(base_url=base_url, timeout=120)
+
+
+def turn(
+    c: httpx.Client, session: str | None, pool: str | None, text: str, **kw: Any
+) -> httpx.Response:
+    prefix = pool_prefix(pool) if pool is not None else PREFIX
+    body: dict[str, Any] = {"prompt": f"{prefix} {text}", "n_predict": 4, "temperature": 0, **kw}
+    if pool is not None:
+        body["pool_id"] = pool
+    headers = {"x-session-id": session} if session else {}
+    return c.post("/completion", json=body, headers=headers)
+
+
+# ------------------------------------------------------------------------ streaming
+
+
+CHUNKS = [
+    b'data: {"content": "a"}\n\n',
+    b'data: {"content": "caf\xc3',  # an event, and a UTF-8 character, split across chunks
+    b'\xa9"}\n\ndata: {"content": "\\r\\n"}\r\n\r\n',
+    b"data: [DONE]\n\n",
+]
+
+
+class _GatedStream(BaseHTTPRequestHandler):
+    """Sends CHUNKS one at a time, each only after the client has received the previous one
+    (the test says so through ``server.released``): a router that buffered would stall."""
+
+    protocol_version = "HTTP/1.1"
+    server: Any
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("x-upstream", "gated")
+        self.end_headers()
+        for i, chunk in enumerate(CHUNKS):
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            self.wfile.flush()
+            if i + 1 < len(CHUNKS) and not self.server.released[i].wait(60):
+                return  # never released: the router held chunk i back
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_sse_is_relayed_byte_for_byte_and_chunk_by_chunk(start_router: StartRouter) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _GatedStream)
+    server.released = [threading.Event() for _ in CHUNKS]  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        router = start_router({"up": f"http://127.0.0.1:{server.server_address[1]}"})
+        got = b""
+        bounds = [sum(len(c) for c in CHUNKS[: i + 1]) for i in range(len(CHUNKS))]
+        with httpx.stream(
+            "POST",
+            router.base_url + "/completion",
+            json={"prompt": "x", "stream": True},
+            timeout=120,
+        ) as r:
+            assert r.status_code == 200
+            assert r.headers["x-upstream"] == "gated"
+            assert r.headers["x-polykv-replica"] == "up"
+            assert r.headers["content-type"] == "text/event-stream"
+            for piece in r.iter_raw():
+                got += piece
+                for i, end in enumerate(bounds):
+                    if len(got) >= end:
+                        server.released[i].set()  # type: ignore[attr-defined]
+        assert got == b"".join(CHUNKS)
+    finally:
+        server.shutdown()
+
+
+def test_a_real_stream_through_the_router_matches_a_direct_one(
+    start_fleet: StartFleet, start_router: StartRouter
+) -> None:
+    engines = start_fleet("a")
+    router = start_router(urls(engines))
+    body = {
+        "prompt": PREFIX,
+        "n_predict": 24,
+        "temperature": 0,
+        "stream": True,
+        "cache_prompt": False,
+    }
+    raw = {}
+    for where, base in (("direct", engines["a"].base_url), ("router", router.base_url)):
+        with httpx.stream("POST", base + "/completion", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            raw[where] = r.read()
+    assert_same_stream(raw["direct"], raw["router"], tokens=24)
+
+
+# ------------------------------------------------------------------------ refusals
+
+
+def test_an_engine_429_moves_the_session_to_the_next_replica(
+    start_fleet: StartFleet, start_router: StartRouter
+) -> None:
+    """The router's figures are stale (one poll an hour): it thinks a admits, a refuses for
+    real, and the session lands on b in the same request."""
+    engines = start_fleet("a", "b", pool="crew")
+    router = start_router(urls(engines), "--poll-interval-ms", "3600000")
+    rc = client(router.base_url)
+    # The pool's figures are fetched on its first request; this one fails at the engine (no
+    # reservation left behind), so a and b look alike and a, first by name, is tried first.
+    first = turn(rc, None, "crew", "warm the router's view", temperature=-1)
+    assert first.status_code == 400 and first.headers["x-polykv-replica"] == "a"
+    saturate(client(engines["a"].base_url), "crew", settle_max_ms=2000)
+    r = turn(rc, "s-retried", "crew", "hello")
+    assert r.status_code == 200, r.text
+    assert r.headers["x-polykv-replica"] == "b"
+    text = metrics(router.base_url)
+    assert total(text, "polykv_router_placements_total", result="retried") == 1
+    assert total(text, "polykv_router_engine_refusals_total", reason="tps_floor") == 1
+    assert total(metrics(engines["a"].base_url), "polykv_pool_rejects_total", pool="crew") == 1
+    # Bound to b now: the next turn goes there without asking anyone.
+    assert turn(rc, "s-retried", "crew", "hello again").headers["x-polykv-replica"] == "b"
+
+
+def test_all_refuse_one_429_with_the_smallest_retry_after(
+    start_fleet: StartFleet, start_router: StartRouter
+) -> None:
+    engines = start_fleet("a", "b")
+    for e, settle_ms in zip(engines.values(), (7000, 3000), strict=True):
+        create_pool(client(e.base_url), "crew")
+        saturate(client(e.base_url), "crew", settle_max_ms=settle_ms)
+    router = start_router(urls(engines))
+    rc = client(router.base_url)
+    r = turn(rc, "s-new", "crew", "hello")
+    assert r.status_code == 429, r.text
+    assert r.headers["retry-after"] == "3"
+    err = r.json()["error"]
+    assert (err["reason"], err["type"], err["pool"]) == ("tps_floor", "rate_limit_error", "crew")
+    assert "x-polykv-replica" not in r.headers
+    text = metrics(router.base_url)
+    assert total(text, "polykv_router_fleet_rejects_total", reason="tps_floor") == 1
+    assert total(text, "polykv_router_engine_refusals_total", reason="tps_floor") == 2
+    assert total(text, "polykv_router_placements_total", result="rejected") == 1
+    for e in engines.values():  # each replica was asked once, and refused once
+        assert total(metrics(e.base_url), "polykv_pool_rejects_total", pool="crew") == 1
+
+
+# ------------------------------------------------------------------------ re-homing
+
+
+def test_a_dead_replica_rehomes_its_session_past_the_gate(
+    start_fleet: StartFleet, start_router: StartRouter
+) -> None:
+    engines = start_fleet("a", "b", pool="crew")
+    router = start_router(urls(engines))
+    rc = client(router.base_url)
+    r = turn(rc, "s1", "crew", "step 1")
+    assert r.headers["x-polykv-replica"] == "a"
+    # b now refuses every new session: only an ungated re-home can land there.
+    saturate(client(engines["b"].base_url), "crew", settle_max_ms=2000)
+    assert engines["a"].proc is not None
+    engines["a"].proc.kill()
+    engines["a"].proc.wait()
+    r = turn(rc, "s1", "crew", "step 1 step 2")
+    assert r.status_code == 200, r.text
+    assert r.headers["x-polykv-replica"] == "b"
+    assert total(metrics(router.base_url), "polykv_router_rehomes_total", reason="unreachable") == 1
+    b_metrics = metrics(engines["b"].base_url)
+    assert total(b_metrics, "polykv_pool_rehomed_sessions_total", pool="crew") == 1
+    assert total(b_metrics, "polykv_pool_rejects_total", pool="crew") == 0
+    # Rebound: the turn after is an ordinary continuation on b, reusing its cache.
+    r = turn(rc, "s1", "crew", "step 1 step 2 step 3")
+    assert r.headers["x-polykv-replica"] == "b"
+    assert r.json()["timings"]["cache_n"] > 0
+    assert total(metrics(router.base_url), "polykv_router_rehomes_total") == 1
+
+
+def test_a_restarted_engine_rehomes_its_sessions(
+    start_fleet: StartFleet, start_router: StartRouter
+) -> None:
+    engines = start_fleet("a", "b")
+    router = start_router(urls(engines), "--poll-interval-ms", "200")
+    rc = client(router.base_url)
+    assert turn(rc, "s1", None, "step 1").headers["x-polykv-replica"] == "a"
+    a = engines["a"]
+    old = httpx.get(a.base_url + "/props").json()["polykv"]["boot_id"]
+    a.stop()
+    a.start(timeout=120)  # same address, new process: the session's KV is gone
+    new = httpx.get(a.base_url + "/props").json()["polykv"]["boot_id"]
+    assert new != old
+    wait_for(
+        "router sees the new boot id",
+        lambda: (
+            (
+                total(metrics(router.base_url), "polykv_router_replicas", state="serving") == 2
+                and b'"engine restarted"' in router.log().encode()
+            )
+            or None
+        ),
+        timeout_s=60,
+    )
+    r = turn(rc, "s1", None, "step 1 step 2")
+    assert r.status_code == 200
+    assert total(metrics(router.base_url), "polykv_router_rehomes_total", reason="restarted") == 1
+
+
+def test_a_restarted_router_finds_each_session_on_its_replica(
+    start_fleet: StartFleet, start_router: StartRouter
+) -> None:
+    engines = start_fleet("a", "b", pool="crew")
+    router = start_router(urls(engines))
+    rc = client(router.base_url)
+    homes = {s: turn(rc, s, "crew", "step 1").headers["x-polykv-replica"] for s in ("s1", "s2")}
+    assert set(homes.values()) == {"a", "b"}  # the second went where the first was not
+    router.restart()
+    for s, home in homes.items():
+        r = turn(rc, s, "crew", "step 1 step 2")
+        assert r.headers["x-polykv-replica"] == home
+        assert r.json()["timings"]["cache_n"] > len(PREFIX) // 8  # its own KV, not a new slot
+    text = metrics(router.base_url)
+    assert total(text, "polykv_router_session_lookups_total", result="found") == 2
+    assert total(text, "polykv_router_rehomes_total") == 0
+
+
+# ------------------------------------------------------------------------ rejections
+
+
+def test_every_field_and_header_the_router_reads_is_refused_when_malformed(
+    start_fleet: StartFleet, start_router: StartRouter
+) -> None:
+    engines = start_fleet("a", pool="crew")
+    router = start_router(urls(engines), "--max-body-bytes", "4096")
+    rc = client(router.base_url)
+
+    def refused(r: httpx.Response, status: int, reason: str) -> None:
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["reason"] == reason
+        assert "x-polykv-replica" not in r.headers  # the router answered, no engine
+
+    ok = {"prompt": "hi", "n_predict": 1}
+    refused(
+        rc.post("/completion", json=ok, headers={"x-session-id": "s" * 257}), 400, "invalid_request"
+    )
+    refused(rc.post("/completion", json={**ok, "session_id": "s" * 257}), 400, "invalid_request")
+    refused(rc.post("/completion", json={**ok, "session_id": 12}), 400, "invalid_request")
+    refused(rc.post("/completion", json={**ok, "pool_id": False}), 400, "invalid_request")
+    refused(rc.post("/completion", json={**ok, "shared_pool_slot": -2}), 400, "invalid_request")
+    refused(rc.post("/completion", content=b"{oops"), 400, "invalid_json")
+    refused(rc.post("/v1/chat/completions", content=b"[]"), 400, "invalid_request")
+    refused(rc.post("/completion", json={**ok, "prompt": "x" * 5000}), 413, "body_too_large")
+    refused(rc.get("/v1/chat/completions"), 405, "method_not_allowed")
+    refused(rc.get("/polykv/pools"), 404, "route_not_found")
+    refused(rc.post("/polykv/pools", json={"name": "x", "prompt": "y"}), 404, "route_not_found")
+    # 256 characters is the engine's limit too: accepted, and the engine serves it.
+    r = rc.post("/completion", json=ok, headers={"x-session-id": "s" * 256})
+    assert r.status_code == 200 and r.headers["x-polykv-replica"] == "a"
+    # What only the engine knows passes through as the engine said it.
+    r = rc.post("/completion", json={**ok, "pool_id": "nope"}, headers={"x-session-id": "s-404"})
+    assert r.status_code == 404 and r.json()["error"]["reason"] == "pool_not_found"
+    assert r.headers["x-polykv-replica"] == "a"
+    r = rc.post("/completion", json={**ok, "temperature": -1})
+    assert r.status_code == 400 and r.headers["x-polykv-replica"] == "a"
+    # No binding from a failed request: a later valid turn is a new session, placed.
+    assert rc.post("/completion", json=ok, headers={"x-session-id": "s-404"}).status_code == 200
+    text = metrics(router.base_url)
+    assert total(text, "polykv_router_placements_total", result="error") == 2
+    assert total(text, "polykv_router_placements_total", result="placed") == 2
+    assert total(text, "polykv_router_sessions") == 2
+
+
+def test_a_client_cannot_mark_its_own_request_rehomed(
+    start_fleet: StartFleet, start_router: StartRouter
+) -> None:
+    engines = start_fleet("a")
+    ec = client(engines["a"].base_url)
+    create_pool(ec, "crew")
+    saturate(ec, "crew", settle_max_ms=2000)
+    router = start_router(urls(engines))
+    body = {"pool_id": "crew", "prompt": pool_prefix("crew") + " sneak", "n_predict": 1}
+    headers = {"x-session-id": "sneaky", "x-polykv-rehomed": "1"}
+    r = client(router.base_url).post("/completion", json=body, headers=headers)
+    assert r.status_code == 429  # gated like any new session
+    assert total(metrics(engines["a"].base_url), "polykv_pool_rehomed_sessions_total") == 0
+
+
+def test_info_routes_reach_a_replica_and_health_endpoints_answer(
+    start_fleet: StartFleet, start_router: StartRouter
+) -> None:
+    engines = start_fleet("a")
+    router = start_router(urls(engines))
+    rc = client(router.base_url)
+    models = rc.get("/v1/models")
+    assert models.status_code == 200 and models.headers["x-polykv-replica"] == "a"
+    tok = rc.post("/tokenize", json={"content": "hello"})
+    assert tok.status_code == 200 and tok.json()["tokens"]
+    assert rc.get("/healthz").json() == {"status": "ok"}
+    ready = rc.get("/readyz").json()
+    assert ready["replicas"] == {"serving": 1, "terminating": 0, "not_ready": 0}
+    text = rc.get("/metrics").text
+    assert total(text, "polykv_router_requests_total", route="/v1/models", status="200") == 1
+    assert "session" not in "".join(ln for ln in text.splitlines() if "{" in ln and "s-" in ln)

@@ -1,0 +1,143 @@
+"""Bindings, reservations and the fleet records (pure: every test passes the time)."""
+
+from __future__ import annotations
+
+from polykv_router.bindings import Binding, Bindings
+from polykv_router.fleet import Fleet, PoolAnswer
+from polykv_router.picker import PoolCapacity
+from polykv_router.pods import Pod, pod_from_object
+from polykv_router.reservations import Reservations
+
+
+def binding(replica: str, t: float) -> Binding:
+    return Binding(replica, f"uid-{replica}", "boot-1", "crew", t)
+
+
+def test_a_binding_lives_while_used_and_expires_after_the_idle_ttl() -> None:
+    table = Bindings(ttl_s=100)
+    table.bind("s1", binding("a", 0))
+    table.bind("s2", binding("b", 0))
+    table.touch("s1", 90)
+    assert table.get("s1", 150) is not None  # idle 60 s
+    assert table.get("s2", 150) is None  # idle 150 s: gone on read
+    table.bind("s3", binding("b", 150))
+    assert table.expire(200) == 1  # s1 idle 110 s; s3 idle 50 s
+    assert table.get("s1", 200) is None and table.get("s3", 200) is not None
+
+
+def test_expiry_walks_only_the_expired_front() -> None:
+    table = Bindings(ttl_s=10)
+    for i in range(5):
+        table.bind(f"s{i}", binding("a", float(i)))
+    assert table.expire(12.5) == 3  # s0..s2 idle > 10 s
+    assert len(table) == 2
+    assert table.per_replica() == {"a": 2}
+
+
+def test_per_replica_counts_follow_rebinding_and_drops() -> None:
+    table = Bindings(ttl_s=100)
+    table.bind("s1", binding("a", 0))
+    table.bind("s2", binding("a", 0))
+    table.bind("s1", binding("b", 1))  # re-homed
+    assert table.per_replica() == {"a": 1, "b": 1}
+    table.drop("s2")
+    table.drop("s2")
+    assert table.per_replica() == {"b": 1}
+
+
+def test_a_reservation_counts_until_a_later_poll_sees_the_session() -> None:
+    res = Reservations(max_age_s=10)
+    r = res.add("a", "crew", now=1.0)
+    assert res.counts("crew", 1.0) == {"a": 1}
+    res.accepted(r, now=1.5)
+    res.observed("a", "crew", poll_started_at=1.2)  # asked before the engine accepted
+    assert res.counts("crew", 1.6) == {"a": 1}
+    res.observed("b", "crew", poll_started_at=2.0)  # another replica's answer
+    res.observed("a", "other", poll_started_at=2.0)  # another pool's answer
+    assert res.counts("crew", 2.1) == {"a": 1}
+    res.observed("a", "crew", poll_started_at=2.0)
+    assert res.counts("crew", 2.1) == {}
+
+
+def test_a_refused_reservation_is_released_and_an_old_one_ages_out() -> None:
+    res = Reservations(max_age_s=10)
+    refused = res.add("a", "crew", 0.0)
+    res.add("b", "crew", 0.0)  # never answered
+    res.release(refused)
+    res.release(refused)
+    assert res.counts("crew", 5.0) == {"b": 1}
+    assert res.counts("crew", 10.5) == {}
+    assert len(res) == 0
+
+
+def pod_obj(
+    name: str = "eng-1",
+    ip: str | None = "127.0.0.5",
+    ready: bool = True,
+    deleting: bool = False,
+    phase: str = "Running",
+    port: int | None = 9000,
+) -> dict[str, object]:
+    meta: dict[str, object] = {"name": name, "uid": f"uid-{name}"}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-11-30T00:00:00Z"
+    ports = [{"name": "http", "containerPort": port}] if port else []
+    return {
+        "metadata": meta,
+        "spec": {"containers": [{"name": "engine", "ports": ports}]},
+        "status": {
+            "phase": phase,
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def test_a_pod_is_read_with_its_port_readiness_and_termination() -> None:
+    pod = pod_from_object(pod_obj(), default_port=8080)
+    assert pod == Pod("eng-1", "uid-eng-1", "127.0.0.5", 9000, ready=True, terminating=False)
+    assert pod.serving and pod.base_url == "http://127.0.0.5:9000"
+    no_port = pod_from_object(pod_obj(port=None), default_port=8080)
+    assert no_port is not None and no_port.port == 8080
+    deleting = pod_from_object(pod_obj(deleting=True), 8080)
+    assert deleting is not None and deleting.ready and not deleting.serving
+    unready = pod_from_object(pod_obj(ready=False), 8080)
+    assert unready is not None and not unready.serving
+
+
+def test_pods_without_an_address_or_finished_hold_nothing() -> None:
+    assert pod_from_object(pod_obj(ip=None), 8080) is None
+    assert pod_from_object(pod_obj(phase="Failed"), 8080) is None
+
+
+def test_the_fleet_forgets_what_it_knew_of_a_replaced_pod() -> None:
+    fleet = Fleet()
+    pod = Pod("a", "u1", "127.0.0.2", 8080, True, False)
+    fleet.upsert(pod)
+    a = fleet.get("a")
+    assert a is not None
+    a.boot_id = "b1"
+    fleet.upsert(Pod("a", "u1", "127.0.0.2", 8080, False, True))  # same pod, now terminating
+    same = fleet.get("a")
+    assert same is a and same.boot_id == "b1" and same.pod.terminating
+    fleet.upsert(Pod("a", "u2", "127.0.0.2", 8080, True, False))  # a new pod of the same name
+    fresh = fleet.get("a")
+    assert fresh is not None and fresh.boot_id is None
+    fleet.replace([Pod("b", "u3", "127.0.0.3", 8080, True, False)])
+    assert [r.name for r in fleet] == ["b"]
+
+
+def test_views_count_stale_answers_as_unknown_and_404s_as_missing() -> None:
+    fleet = Fleet()
+    for name in ("a", "b", "c"):
+        fleet.upsert(Pod(name, name, "127.0.0.2", 8080, True, False))
+    c = PoolCapacity(True, "ok", 10.0, 2, 1)
+    fleet.get("a").pools["crew"] = PoolAnswer(at=9.5, capacity=c)  # type: ignore[union-attr]
+    fleet.get("b").pools["crew"] = PoolAnswer(at=9.5, capacity=None)  # type: ignore[union-attr]
+    fleet.get("c").pools["crew"] = PoolAnswer(at=1.0, capacity=c)  # type: ignore[union-attr]
+    fleet.get("c").in_flight = 2  # type: ignore[union-attr]
+    views = {v.name: v for v in fleet.views("crew", {"a": 3}, now=10.0, max_age_s=1.0)}
+    assert views["a"].capacity == c and views["a"].load == 3
+    assert views["b"].capacity is None and not views["b"].has_pool
+    assert views["c"].capacity is None and views["c"].has_pool and views["c"].load == 2
+    assert fleet.counts() == {"serving": 3, "terminating": 0, "not_ready": 0}
