@@ -72,11 +72,17 @@ def selector(description: str) -> Schema:
 
 def strict(node: Any) -> Any:
     """A CRD schema node, closed wherever it lists properties and keeps nothing unknown
-    (the API server would prune an unknown field silently; the chart refuses it)."""
+    (the API server would prune an unknown field silently; the chart refuses it). OpenAPI
+    v3's boolean exclusive bounds become draft-07's numeric ones."""
     if isinstance(node, dict):
         out = {k: strict(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
         if "properties" in out and not node.get("x-kubernetes-preserve-unknown-fields"):
             out["additionalProperties"] = False
+        for bound, limit in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if out.get(bound) is True and limit in out:
+                out[bound] = out.pop(limit)
+            elif out.get(bound) is False:
+                del out[bound]
         return out
     if isinstance(node, list):
         return [strict(v) for v in node]

@@ -104,7 +104,7 @@ ADMISSION = Kind(
     spec=AdmissionPolicySpec,
     status=AdmissionPolicyStatus,
     columns=(
-        {"name": "Target", "type": "integer", "jsonPath": ".spec.targetTpsPerSession"},
+        {"name": "Target", "type": "number", "jsonPath": ".spec.targetTpsPerSession"},
         {"name": "Mode", "type": "string", "jsonPath": ".spec.mode"},
         {"name": "Pools", "type": "integer", "jsonPath": ".status.appliedPools"},
         _ready_column(),
