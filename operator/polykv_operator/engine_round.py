@@ -29,6 +29,7 @@ from polykv_api import models as wire
 from . import gates, manifests, metrics
 from . import status as stat
 from .api import ENGINE, POOL, PolyKVEngineSpec
+from .autoscale import deletion_cost
 from .engine_client import EngineClient, EngineRejected, EngineUnreachable
 from .faults import crash_point
 from .fleet import (
@@ -49,6 +50,7 @@ from .tree import PoolNode, PoolRequest, Problem, by_name, check, parents_first,
 log = logging.getLogger("polykv.operator.engine_round")
 
 GateWriter = Callable[[str, gates.GateWant], Awaitable[None]]  # (pod name, wanted)
+CostWriter = Callable[[str, str], Awaitable[None]]  # (pod name, pod-deletion-cost)
 # (plural, object name, status merge patch); an object gone meanwhile is not an error.
 StatusWriter = Callable[[str, str, dict[str, Any]], Awaitable[None]]
 
@@ -140,11 +142,13 @@ class Round:
         state: EngineState,
         http: httpx.AsyncClient,
         write_gate: GateWriter,
+        write_cost: CostWriter | None = None,
     ) -> None:
         self.view = view
         self.state = state
         self.http = http
         self.write_gate = write_gate
+        self.write_cost = write_cost
         self.pools = by_name(view.pools)
         self.mine = [n for n in view.pools if n.engine == view.name]
         self.clients: dict[str, EngineClient] = {}
@@ -171,6 +175,8 @@ class Round:
         # No re-poll: every create and policy push answered with the pool as it now is on
         # that replica (Observation.add_pool), so the listings are current.
         await self._gates(final=True)
+        if self.write_cost is not None:
+            await self._deletion_costs(self.write_cost)
         # The fleet's figures, for the engine's status and the metrics.
         listings = [
             lst
@@ -475,6 +481,30 @@ class Round:
         self.pods[pod.name] = pod
         self.state.pods[pod.name] = pod
 
+    # -- pod deletion cost ----------------------------------------------------------------
+
+    async def _deletion_costs(self, write: CostWriter) -> None:
+        """Each pod's pod-deletion-cost: the sessions its replica holds (written when it
+        changed), so that a scale-down removes the replica with the fewest."""
+        st = self.state
+        alive = {p.uid for p in self.pods.values()}
+        st.costs_sent = {uid: v for uid, v in st.costs_sent.items() if uid in alive}
+        todo = deletion_cost.wanted(self.pods, st.replicas, st.costs_sent)
+
+        async def one(name: str, value: str) -> None:
+            pod = self.pods[name]
+            try:
+                await write(name, value)
+            except Exception as exc:  # the next round tries again
+                log.warning(
+                    "deletion cost write failed ns=%s pod=%s: %s", self.view.namespace, name, exc
+                )
+                return
+            deletion_cost.record(st.costs_sent, pod, value)
+            log.debug("deletion cost ns=%s pod=%s cost=%s", self.view.namespace, name, value)
+
+        await asyncio.gather(*(one(n, v) for n, v in sorted(todo.items())))
+
 
 # -- the use cases ------------------------------------------------------------------------
 
@@ -486,10 +516,11 @@ async def run_round(
     write_gate: GateWriter,
     generation: int,
     status: Mapping[str, Any] | None,
+    write_cost: CostWriter | None = None,
 ) -> dict[str, Any]:
     """One round, then the engine's status: the merge patch for it ({} when unchanged)."""
     try:
-        await Round(view, state, http, write_gate).run()
+        await Round(view, state, http, write_gate, write_cost).run()
         metrics.ROUNDS.labels("ok").inc()
     except Exception:
         metrics.ROUNDS.labels("error").inc()
@@ -542,11 +573,12 @@ async def run_cycle(
     http: httpx.AsyncClient,
     write_gate: GateWriter,
     write_status: StatusWriter,
+    write_cost: CostWriter | None = None,
 ) -> None:
     """One round, then the engine's status and its pools' statuses, each written only when
     it changed (and not again while the watch has not yet shown our last write)."""
     view = snap.view
-    patch = await run_round(view, state, http, write_gate, snap.generation, snap.status)
+    patch = await run_round(view, state, http, write_gate, snap.generation, snap.status, write_cost)
     if state.written.needs(snap.uid, snap.resource_version, patch):
         await write_status(ENGINE.plural, view.name, patch)
         state.written.sent(snap.uid, snap.resource_version, patch)
@@ -620,6 +652,7 @@ async def serve(
     write_status: StatusWriter,
     interval_s: float,
     stopped: Callable[[], bool],
+    write_cost: CostWriter | None = None,
 ) -> None:
     """Rounds for one engine until `stopped()`: at once when poked (pokes that arrive during
     a round make exactly one more), else every `interval_s`. A failed round is logged and
@@ -637,7 +670,7 @@ async def serve(
             return
         state.wake.clear()
         try:
-            await run_cycle(snapshot(), state, fleet, http, write_gate, write_status)
+            await run_cycle(snapshot(), state, fleet, http, write_gate, write_status, write_cost)
         except Exception:
             failures += 1
             metrics.RECONCILES.labels("engine", "round", "error").inc()

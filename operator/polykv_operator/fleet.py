@@ -15,7 +15,7 @@ from typing import Any
 
 from polykv_api import models as wire
 
-from .names import CONTAINER, GATE
+from .names import CONTAINER, DELETION_COST, GATE
 
 EngineKey = tuple[str, str]  # (namespace, engine name)
 
@@ -39,6 +39,7 @@ class ReplicaRef:
     restarts: int = 0
     waiting_reason: str | None = None  # e.g. CrashLoopBackOff, RunContainerError
     waiting_message: str | None = None
+    deletion_cost: str | None = None  # the pod-deletion-cost annotation as the pod has it
 
     @classmethod
     def from_pod(cls, body: Mapping[str, Any]) -> ReplicaRef:
@@ -61,6 +62,7 @@ class ReplicaRef:
             restarts=int(c.get("restartCount") or 0),
             waiting_reason=waiting.get("reason"),
             waiting_message=waiting.get("message"),
+            deletion_cost=(meta.get("annotations") or {}).get(DELETION_COST),
         )
 
 
@@ -201,6 +203,8 @@ class EngineState:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     # What the loop last wrote, so it writes nothing while the watch has not caught up.
     written: WriteMemo = field(default_factory=lambda: WriteMemo())
+    # pod uid -> (pod-deletion-cost sent, the annotation the index showed then)
+    costs_sent: dict[str, tuple[str, str | None]] = field(default_factory=dict)
 
     def poke(self) -> None:
         self.wake.set()

@@ -20,9 +20,11 @@ Run it with `kopf run -m polykv_operator.main` (or `polykv-operator`). Who write
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -42,9 +44,12 @@ from .api import (
     PolyKVEngineSpec,
     PolyKVPoolSpec,
 )
+from .autoscale.aggregate import Signal, engine_signal
+from .autoscale.metrics_api import ExternalSettings, Servers
 from .config import Config
 from .engine_round import (
     ClusterView,
+    CostWriter,
     GateWriter,
     Snapshot,
     StatusWriter,
@@ -90,12 +95,17 @@ class Clients:
         """Sets a pod's readiness gate in `namespace` (engine_round decides which and how)."""
         return functools.partial(self.kube_client().set_gate, namespace)
 
+    def cost_writer(self, namespace: str) -> CostWriter:
+        """Sets a pod's pod-deletion-cost annotation in `namespace`."""
+        return functools.partial(self.kube_client().set_deletion_cost, namespace)
+
     def status_writer(self, namespace: str) -> StatusWriter:
         """Merge-patches the status of one of our objects in `namespace`."""
         return functools.partial(self.kube_client().patch_status, namespace)
 
 
 CLIENTS = Clients()
+SERVERS = Servers()
 
 
 # ------------------------------------------------------------------------ operator setup
@@ -103,7 +113,7 @@ CLIENTS = Clients()
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    CONFIG.require_master_key()  # fail fast: engines cannot be administered without it
+    CONFIG.check()  # fail fast: no master key, or autoscaling settings that cannot work
     # One finalizer for everything: pools need it to release their KV on the engines, and
     # kopf puts it on every object with a timer so that the timer stops before it goes.
     settings.persistence.finalizer = FINALIZER
@@ -166,8 +176,46 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return info
 
 
+def _signal(namespace: str, engine: str) -> Signal | None:
+    state = FLEET.peek(namespace, engine)
+    return None if state is None else engine_signal(state, time.time())
+
+
+async def _logged_in() -> Any:
+    """The API client once the login handler has run (kopf logs in after startup)."""
+    while CLIENTS.connection is None:
+        await asyncio.sleep(0.2)
+    return CLIENTS.kube_client()
+
+
+@kopf.on.startup()
+async def autoscale_servers(**_: Any) -> None:
+    """The autoscaling JSON now; the external metrics API once logged in (it reads the
+    front-proxy CA and the APIService first), in the background."""
+    if CONFIG.autoscale_port is not None:
+        await SERVERS.start_json(_signal, CONFIG.metrics_address, CONFIG.autoscale_port)
+    if CONFIG.external_metrics_port is not None:
+        assert CONFIG.external_metrics_cert and CONFIG.external_metrics_key  # CONFIG.check()
+        ns, name = CONFIG.external_metrics_service.split("/", 1)
+        settings = ExternalSettings(
+            CONFIG.metrics_address,
+            CONFIG.external_metrics_port,
+            CONFIG.external_metrics_cert,
+            CONFIG.external_metrics_key,
+            ns,
+            name,
+        )
+
+        async def external() -> None:
+            kube = await _logged_in()
+            await SERVERS.start_external(_signal, settings, kube.get)
+
+        SERVERS.task = asyncio.create_task(external())
+
+
 @kopf.on.cleanup()
 async def close(**_: Any) -> None:
+    await SERVERS.stop()
     if CLIENTS.http is not None:
         await CLIENTS.http.aclose()
     if CLIENTS.kube is not None:
@@ -407,6 +455,7 @@ async def engine_loop(
         CLIENTS.status_writer(ns),
         CONFIG.poll_interval_s,
         lambda: bool(stopped),
+        CLIENTS.cost_writer(ns),
     )
 
 

@@ -137,6 +137,9 @@ class FakeEngine:
     busy: Reason | None = None  # refuse creates with 503 and this code (kv_full, queue_full)
     calls: list[str] = field(default_factory=list)
     next_id: int = 1
+    refused: int = 0  # distinct sessions refused in the last minute (autoscaling)
+    headroom: int = 3  # more sessions free slots and KV would take
+    unpooled: int = 0  # sessions holding KV outside any pool
 
     def restart(self, boot_id: str) -> None:
         self.boot_id, self.pools, self.next_id = boot_id, {}, 1
@@ -194,6 +197,21 @@ class FakeEngine:
             n_warming=sum(p.warming for p in self.pools.values()),
             active_tps_sum=sum(rates),
             mean_active_tps=sum(rates) / len(rates) if rates else 0.0,
+            unpooled_sessions=[
+                PoolSession(
+                    session_id=f"unpooled-{i}",
+                    slot=100 + i,
+                    shared_prefix_tokens=0,
+                    suffix_n_tokens=1,
+                    marginal_kv_bytes=8,
+                    tps_ewma=0.0,
+                    state="idle",
+                )
+                for i in range(self.unpooled)
+            ],
+            sessions_active=len(rates) + sum(p.warming for p in self.pools.values()),
+            sessions_refused=self.refused,
+            sessions_headroom=self.headroom,
         )
 
     def resident(self) -> list[FakePool]:
