@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,18 +142,21 @@ class Operator:
         return "".join(r.log() for r in self.runs)
 
 
-@pytest.fixture
-def operator(
+@contextmanager
+def operator_running(
     k8s_cluster: ControlPlane,
-    process_node: ProcessNode,
     namespace: str,
     operator_kubeconfig: Path,
     tmp_path: Path,
+    **env: str,
 ) -> Iterator[Operator]:
+    """The operator on `namespace` (restricted Pod Security), with `env` added to its own;
+    on the way out every CR of the namespace is deleted while it still runs, and it is
+    stopped, pass or fail. A "forbidden" in its log fails the test."""
     k8s_cluster.kubectl(
         "label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted"
     )
-    op = Operator(k8s_cluster, namespace, operator_kubeconfig, tmp_path).start()
+    op = Operator(k8s_cluster, namespace, operator_kubeconfig, tmp_path).start(**env)
     try:
         yield op
         assert not re.search(r"forbidden", op.log(), re.IGNORECASE), forbidden_lines(op.log())
@@ -161,7 +165,7 @@ def operator(
             # Leave nothing behind for the namespace controller to wait on: pools release
             # through their finalizer while the operator still runs.
             if not op.alive():
-                op.start()
+                op.start(**env)
             k8s_cluster.kubectl(
                 "delete",
                 "polykvpools,admissionpolicies,polykvengines",
@@ -175,6 +179,18 @@ def operator(
         finally:
             op.stop_all()  # pass, fail or a teardown that timed out: no operator outlives it
             print(f"operator logs: {tmp_path}")
+
+
+@pytest.fixture
+def operator(
+    k8s_cluster: ControlPlane,
+    process_node: ProcessNode,
+    namespace: str,
+    operator_kubeconfig: Path,
+    tmp_path: Path,
+) -> Iterator[Operator]:
+    with operator_running(k8s_cluster, namespace, operator_kubeconfig, tmp_path) as op:
+        yield op
 
 
 def forbidden_lines(text: str) -> str:
