@@ -531,7 +531,7 @@ def test_the_api_is_not_served_next_to_another_provider(
     tmp_path: Path,
 ) -> None:
     """Another provider's APIService in the cluster: the operator does not serve (and does
-    not touch it)."""
+    not touch it), and the chart refuses to install the provider."""
     k8s_cluster.kubectl(
         "apply", "-f", str(ROOT / "operator" / "deploy" / "external-metrics-rbac.yaml")
     )
@@ -559,6 +559,15 @@ def test_the_api_is_not_served_next_to_another_provider(
                 httpx.get(f"https://127.0.0.1:{tls_port}/healthz", verify=False, timeout=5)
             after = k8s_cluster.api.get(APISERVICE)
             assert after["spec"]["service"]["namespace"] == "keda"  # untouched
+        # Nor does the chart install it: it looks the APIService up and refuses.
+        out = k8s_cluster.helm(
+            "install", "scaler", str(ROOT / "helm" / "polykv"), "-n", namespace,
+            "--dry-run=server", "--set", "autoscaling.externalMetrics.enabled=true",
+            check=False,
+        )  # fmt: skip
+        assert out.returncode != 0, out.stdout[-2000:]
+        assert "another external metrics provider" in out.stderr, out.stderr
+        assert "keda/keda-operator-metrics-apiserver" in out.stderr, out.stderr
     finally:
         try:
             k8s_cluster.api.delete(APISERVICE)
