@@ -16,7 +16,14 @@ from collections.abc import Sequence
 from . import harness as H
 
 # Module names under bench/, in run order. Each has main(argv) -> int.
-BENCHMARKS = ("decode_scaling", "pool_sharing", "spawn_ramp", "router_overhead", "vs_llama_server")
+BENCHMARKS = (
+    "decode_scaling",
+    "pool_sharing",
+    "spawn_ramp",
+    "operator_scale",
+    "router_overhead",
+    "vs_llama_server",
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,8 +1,10 @@
 """Reads a flat package's imports as written (ast) and checks a layering over them: the
 helpers behind the operator's and the router's layering tests.
 
-A unit is a top-level module, or a subpackage as a whole. ``LayerRule`` names each unit's
-layer; a unit imports only from its own layer or lower ones, and the imports form no cycle.
+A unit is a top-level module, or a subpackage as a whole, except the subpackages named in
+``split``, whose modules are units of their own (``autoscale.aggregate``): a subpackage that
+holds both pure and I/O modules. ``LayerRule`` names each unit's layer; a unit imports only
+from its own layer or lower ones, and the imports form no cycle.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ class Package:
     """The package's folder (``.../polykv_operator``)."""
     import_name: str = ""
     """The name absolute imports use; default: the folder's name."""
+    split: frozenset[str] = frozenset()
+    """Subpackages whose modules are units of their own."""
 
     @property
     def name(self) -> str:
@@ -28,7 +32,17 @@ class Package:
 
     def unit_of(self, path: Path) -> str:
         rel = path.relative_to(self.root)
+        if len(rel.parts) > 1 and rel.parts[0] in self.split:
+            return f"{rel.parts[0]}.{Path(rel.parts[1]).stem}"
         return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+    def _unit(self, base: list[str], names: list[str]) -> set[str]:
+        """The units an import of `names` from the package path `base` reaches."""
+        if base[0] not in self.split:
+            return {base[0]}
+        if len(base) > 1:
+            return {f"{base[0]}.{base[1]}"}
+        return {f"{base[0]}.{n}" for n in names} or {base[0]}
 
     def imports(self, path: Path) -> tuple[set[str], set[str]]:
         """(units of this package that ``path`` imports, outside top-level packages)."""
@@ -41,7 +55,7 @@ class Package:
                 for alias in node.names:
                     top = alias.name.split(".")
                     if top[0] == self.name:
-                        inside.add(top[1] if len(top) > 1 else "__init__")
+                        inside |= self._unit(top[1:], []) if len(top) > 1 else {"__init__"}
                     else:
                         outside.add(top[0])
             elif isinstance(node, ast.ImportFrom):
@@ -55,17 +69,21 @@ class Package:
                     up = len(here) - (node.level - 1)
                     assert up >= 0, f"{path}: relative import above the package"
                     base = [b for b in [*here[:up], *(node.module or "").split(".")] if b]
+                names = [alias.name for alias in node.names]
                 if base:
-                    inside.add(base[0])
+                    inside |= self._unit(base, names)
                 else:  # from . import a, b
-                    inside.update(alias.name for alias in node.names)
+                    for name in names:
+                        inside |= self._unit([name], [])
         return inside, outside
 
     def graph(self) -> dict[str, set[str]]:
         """unit -> the other units it imports (the package's own __init__ left out)."""
         out: dict[str, set[str]] = {}
         for path in self.files():
-            if path.name == "__init__.py" and path.parent == self.root:
+            if path.name == "__init__.py" and (
+                path.parent == self.root or path.parent.name in self.split
+            ):
                 continue
             unit = self.unit_of(path)
             out.setdefault(unit, set()).update(u for u in self.imports(path)[0] if u != unit)

@@ -1,44 +1,34 @@
-"""Finds processes left behind by a `polykv-dev` daemon that died without tearing down
-(SIGKILL, OOM): every component and pod process names the dev directory in its command
-line or runs inside its node/ directory."""
+"""Stops what a `polykv-dev` daemon that died without tearing down (SIGKILL, OOM) left
+running: exactly the processes it recorded in its ledger (pid and start time, each the
+leader of its own process group), never anything found by name, path or command line."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import signal
 from pathlib import Path
 
-from .procs import signal_group, wait_pid_gone
+from .procs import ProcessLedger, kill_recorded, wait_pid_gone
 
 log = logging.getLogger("polykv.testenv.cleanup")
 
+LEDGER = "processes.json"
 
-def leftovers(dev_dir: Path) -> list[int]:
-    root = str(dev_dir.resolve())
-    pods = str(dev_dir.resolve() / "node")  # pod processes run in their pod's directory
-    found: list[int] = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            cwd = os.readlink(entry / "cwd")
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-        if root in cmdline or cwd == pods or cwd.startswith(pods + os.sep):
-            found.append(int(entry.name))
-    return found
+
+def ledger(dev_dir: Path) -> ProcessLedger:
+    """Where the daemon of `dev_dir` records every process it starts."""
+    return ProcessLedger(dev_dir / LEDGER)
 
 
 def kill_leftovers(dev_dir: Path) -> int:
-    pids = leftovers(dev_dir)
-    for pid in pids:
-        log.warning("killing leftover process pid=%d", pid)
-        signal_group(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    for pid in pids:
+    """Kills the recorded processes that still run (same pid, same start time); returns how
+    many. The ledger is emptied: what is not running any more is nobody's to stop."""
+    book = ledger(dev_dir)
+    killed = []
+    for entry in book.entries():
+        if kill_recorded(entry):
+            log.warning("killing leftover %s pid=%d", entry.name, entry.pid)
+            killed.append(entry.pid)
+    for pid in killed:
         wait_pid_gone(pid, 5)
-    return len(pids)
+    book.clear()
+    return len(killed)

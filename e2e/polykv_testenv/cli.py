@@ -21,7 +21,7 @@ from . import daemon
 from .bins import REPO_ROOT, ensure_binaries
 from .cleanup import kill_leftovers
 from .kubeapi import Credentials, Kube
-from .procs import signal_group, wait_pid_gone
+from .procs import Recorded, kill_recorded, wait_pid_gone
 
 NOT_RUNNING = 3
 
@@ -33,13 +33,20 @@ def default_dir() -> Path:
     return REPO_ROOT / ".run" / "k8s"
 
 
-def _running_pid(dev_dir: Path) -> int | None:
+def _daemon(dev_dir: Path) -> Recorded | None:
+    """The daemon of `dev_dir` if it runs: the pid it wrote, checked against the start time
+    it wrote beside it (a reused pid is somebody else's process)."""
     try:
-        pid = int((dev_dir / "daemon.pid").read_text())
-        os.kill(pid, 0)
+        pid, start = (int(x) for x in (dev_dir / "daemon.pid").read_text().split())
     except (OSError, ValueError):
         return None
-    return pid
+    found = Recorded(pid, start, "daemon")
+    return found if found.alive() else None
+
+
+def _running_pid(dev_dir: Path) -> int | None:
+    found = _daemon(dev_dir)
+    return found.pid if found is not None else None
 
 
 def _info(dev_dir: Path) -> dict[str, Any] | None:
@@ -106,14 +113,15 @@ def up(dev_dir: Path, foreground: bool, timeout_s: float) -> int:
 
 
 def down(dev_dir: Path) -> int:
-    pid = _running_pid(dev_dir)
-    if pid is not None:
-        os.kill(pid, signal.SIGTERM)
-        if not wait_pid_gone(pid, 90):
-            print(f"daemon {pid} did not stop in 90s; killing it", file=sys.stderr)
-            signal_group(pid, signal.SIGKILL)
-            wait_pid_gone(pid, 10)
-    # Whatever a crashed daemon left running (components, pods).
+    daemon = _daemon(dev_dir)
+    pid = daemon.pid if daemon is not None else None
+    if daemon is not None:
+        os.kill(daemon.pid, signal.SIGTERM)
+        if not wait_pid_gone(daemon.pid, 90):
+            print(f"daemon {daemon.pid} did not stop in 90s; killing it", file=sys.stderr)
+            kill_recorded(daemon)
+            wait_pid_gone(daemon.pid, 10)
+    # Whatever a crashed daemon left running (components, pods): only what it recorded.
     stale = kill_leftovers(dev_dir)
     if pid is None and not stale:
         print("not running")

@@ -20,7 +20,7 @@ from . import components, pki
 from .bins import ensure_binaries
 from .kubeapi import ApiError, Credentials, Kube
 from .lifecycle import StartStop
-from .procs import ManagedProcess
+from .procs import ManagedProcess, ProcessLedger
 from .waiting import NotReady, free_port, wait_for
 
 log = logging.getLogger("polykv.testenv.controlplane")
@@ -46,7 +46,9 @@ class ControlPlane(StartStop):
         bin_dir: Path | None = None,
         controllers: tuple[str, ...] = components.DEFAULT_CONTROLLERS,
         verbosity: int = 1,
+        ledger: ProcessLedger | None = None,
     ) -> None:
+        self.ledger = ledger
         self.state_dir = state_dir.resolve()
         self.bin_dir = bin_dir
         self.controllers = controllers
@@ -102,7 +104,8 @@ class ControlPlane(StartStop):
 
     def start_component(self, name: str, timeout_s: float = 120.0) -> None:
         argv = self._argv(name)
-        proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env=self._env())
+        log_path = self.log_dir / f"{name}.log"
+        proc = ManagedProcess(name, argv, log_path, env=self._env(), ledger=self.ledger)
         self.procs[name] = proc
         proc.start()
         try:

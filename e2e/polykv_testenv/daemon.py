@@ -1,9 +1,10 @@
 """The background process behind `polykv-dev up`: the control plane plus the process node,
 until SIGTERM. Files under the dev directory:
 
-    daemon.pid   this process          daemon.log  its log (component logs: cluster/logs/)
-    info.json    written once ready    cluster/    ControlPlane state (kubeconfig, pki, ...)
-    node/        pod logs and volumes
+    daemon.pid      this process: "<pid> <start ticks>"   daemon.log  its log
+    info.json       written once ready                     cluster/    ControlPlane state
+    processes.json  every process it started (pid, start ticks): what `down` may stop
+    node/           pod logs and volumes                   (component logs: cluster/logs/)
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from .cleanup import ledger
 from .controlplane import ControlPlane
 from .node import ProcessNode
+from .procs import start_ticks
 
 log = logging.getLogger("polykv.testenv.daemon")
 
@@ -38,7 +41,7 @@ def serve(dev_dir: Path, bin_dir: Path | None) -> int:
     info_path = dev_dir / "info.json"
     pid_path = dev_dir / "daemon.pid"
     info_path.unlink(missing_ok=True)
-    pid_path.write_text(str(os.getpid()))
+    pid_path.write_text(f"{os.getpid()} {start_ticks(os.getpid())}")
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -49,11 +52,12 @@ def serve(dev_dir: Path, bin_dir: Path | None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     # Pod logs and volumes of the previous run go; PVC directories (node/claims) stay.
     shutil.rmtree(dev_dir / "node" / "pods", ignore_errors=True)
-    cluster = ControlPlane(dev_dir / "cluster", bin_dir)
+    book = ledger(dev_dir)
+    cluster = ControlPlane(dev_dir / "cluster", bin_dir, ledger=book)
     node: ProcessNode | None = None
     try:
         cluster.start()
-        node = ProcessNode(cluster.credentials, dev_dir / "node")
+        node = ProcessNode(cluster.credentials, dev_dir / "node", ledger=book)
         node.start()
         info = {
             "pid": os.getpid(),

@@ -120,10 +120,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 @pytest.fixture
 def run_operator(
     k8s_cluster: ControlPlane, namespace: str, tmp_path: Path
-) -> Callable[..., contextlib.AbstractContextManager[Any]]:
+) -> Iterator[Callable[..., contextlib.AbstractContextManager[Any]]]:
     """`with run_operator("polykv_operator.main") as runner:` runs kopf in this process
     (a KopfRunner) watching the test's namespace; `in_process=False` gives an
-    OperatorProcess instead (kill() it to test crash recovery)."""
+    OperatorProcess instead (kill() it to test crash recovery). Every OperatorProcess it
+    handed out is stopped when the test ends, pass or fail, started or not by the test."""
+    started: list[op.OperatorProcess] = []
 
     def start(
         target: str | Path, *, in_process: bool = True, all_namespaces: bool = False
@@ -132,6 +134,10 @@ def run_operator(
         if in_process:
             runner: contextlib.AbstractContextManager[Any] = op.in_process(target, ns)
             return runner
-        return op.OperatorProcess(k8s_cluster, target, ns, tmp_path / "operator.log")
+        proc = op.OperatorProcess(k8s_cluster, target, ns, tmp_path / "operator.log")
+        started.append(proc)
+        return proc
 
-    return start
+    yield start
+    for proc in started:
+        proc.stop()

@@ -16,10 +16,17 @@ from .lifecycle import StartStop
 from .procs import ManagedProcess
 
 
-def kopf_args(target: str | Path, namespace: str | None, extra: Sequence[str] = ()) -> list[str]:
+def kopf_args(
+    target: str | Path,
+    namespace: str | None,
+    extra: Sequence[str] = (),
+    peering: str | None = None,
+) -> list[str]:
     """`kopf run` arguments. `target` is a module name (`polykv_operator.main`) or a
-    path to a .py file. --standalone: no peering objects, so no peering CRD is needed."""
-    args = ["run", "--standalone", "--verbose"]
+    path to a .py file. Without `peering`, --standalone: no peering objects, so no peering
+    CRD is needed; with it, `--peering <name>` (the KopfPeering object must exist)."""
+    mode = ["--peering", peering] if peering else ["--standalone"]
+    args = ["run", *mode, "--verbose"]
     args += ["--namespace", namespace] if namespace else ["--all-namespaces"]
     if isinstance(target, Path) or str(target).endswith(".py"):
         args.append(str(target))
@@ -82,9 +89,10 @@ class OperatorProcess(StartStop):
         namespace: str | None,
         log_path: Path,
         extra_env: dict[str, str] | None = None,
+        peering: str | None = None,
     ) -> None:
         env = cluster.tool_env() | (extra_env or {})
-        argv = [sys.executable, "-m", "kopf", *kopf_args(target, namespace)]
+        argv = [sys.executable, "-m", "kopf", *kopf_args(target, namespace, peering=peering)]
         self.proc = ManagedProcess("operator", argv, log_path, env=env)
 
     def start(self) -> None:

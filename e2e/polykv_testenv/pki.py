@@ -184,3 +184,35 @@ def generate(directory: Path) -> Pki:
         )
     )
     return pki
+
+
+# -- certificates for servers under test (an aggregated API's serving pair, client pairs) --
+
+
+@dataclass(frozen=True)
+class Authority:
+    cert: Path
+    key: Path
+
+
+def authority(directory: Path, name: str) -> Authority:
+    """A fresh CA: `<name>-ca.crt` and `<name>-ca.key` in `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    found = Authority(directory / f"{name}-ca.crt", directory / f"{name}-ca.key")
+    _ca(f"polykv-dev-{name}-ca", found.cert, found.key)
+    return found
+
+
+def leaf(
+    ca: Authority, directory: Path, name: str, cn: str, dns: tuple[str, ...] = ()
+) -> tuple[Path, Path]:
+    """A certificate `ca` signs for `cn` (server auth for the `dns` names when given, else
+    client auth): (`<name>.crt`, `<name>.key`) in `directory`."""
+    key = serialization.load_pem_private_key(ca.key.read_bytes(), password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    ca_cert = x509.load_pem_x509_certificate(ca.cert.read_bytes())
+    sans: list[x509.GeneralName] | None = [x509.DNSName(d) for d in dns] or None
+    usage = ExtendedKeyUsageOID.SERVER_AUTH if dns else ExtendedKeyUsageOID.CLIENT_AUTH
+    paths = (directory / f"{name}.crt", directory / f"{name}.key")
+    _leaf(_name(cn), (ca_cert.subject, key), paths, usage, sans)
+    return paths

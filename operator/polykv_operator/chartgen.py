@@ -72,11 +72,17 @@ def selector(description: str) -> Schema:
 
 def strict(node: Any) -> Any:
     """A CRD schema node, closed wherever it lists properties and keeps nothing unknown
-    (the API server would prune an unknown field silently; the chart refuses it)."""
+    (the API server would prune an unknown field silently; the chart refuses it). OpenAPI
+    v3's boolean exclusive bounds become draft-07's numeric ones."""
     if isinstance(node, dict):
         out = {k: strict(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
         if "properties" in out and not node.get("x-kubernetes-preserve-unknown-fields"):
             out["additionalProperties"] = False
+        for bound, limit in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if out.get(bound) is True and limit in out:
+                out[bound] = out.pop(limit)
+            elif out.get(bound) is False:
+                del out[bound]
         return out
     if isinstance(node, list):
         return [strict(v) for v in node]
@@ -112,6 +118,66 @@ def image(with_pull_policy: bool) -> Schema:
     if with_pull_policy:
         props["pullPolicy"] = {"enum": ["Always", "IfNotPresent", "Never"]}
     return closed(props, ("repository",))
+
+
+def autoscaling_schema() -> Schema:
+    port = integer(1, 65535)
+    target = {"type": "number", "exclusiveMinimum": 0, "maximum": 100}
+    replicas = integer(1, 1000)
+    policy = closed(
+        {
+            "type": {"enum": ["Pods", "Percent"]},
+            "value": integer(1),
+            "periodSeconds": integer(1, 1800),
+        },
+        ("type", "value", "periodSeconds"),
+    )
+    rules = closed(
+        {
+            "stabilizationWindowSeconds": integer(0, 3600),
+            "selectPolicy": {"enum": ["Max", "Min", "Disabled"]},
+            "policies": {"type": "array", "minItems": 1, "items": policy},
+        }
+    )
+    engine = closed(
+        {
+            "name": {"type": "string", "pattern": DNS_SUBDOMAIN, "maxLength": 253},
+            "namespace": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63},
+            "minReplicas": replicas,
+            "maxReplicas": replicas,
+        },
+        ("name",),
+    )
+    return closed(
+        {
+            "jsonPort": integer(0, 65535, "0: the autoscaling JSON is not served"),
+            "externalMetrics": closed(
+                {
+                    "enabled": BOOL,
+                    "port": port,
+                    "hpaServiceAccount": closed(
+                        {
+                            "namespace": {"type": "string", "pattern": DNS_LABEL},
+                            "name": {"type": "string", "pattern": DNS_SUBDOMAIN},
+                        },
+                        ("namespace", "name"),
+                    ),
+                }
+            ),
+            "engines": {
+                "type": "array",
+                "description": "PolyKVEngines to scale (an HPA or a KEDA ScaledObject each)",
+                "items": engine,
+            },
+            "kind": {"enum": ["hpa", "keda"]},
+            "minReplicas": replicas,
+            "maxReplicas": replicas,
+            "floorPressureTarget": target,
+            "demandRatioTarget": target,
+            "behavior": closed({"scaleUp": rules, "scaleDown": rules}),
+            "keda": closed({"pollingInterval": integer(1, 3600)}),
+        }
+    )
 
 
 def values_schema() -> Schema:
@@ -193,6 +259,7 @@ def values_schema() -> Schema:
                     "enabled": BOOL,
                     "agents": peer,
                     "scrapers": peer,
+                    "autoscalers": peer,
                     "engineNamespaces": {
                         "type": "array",
                         "items": {"type": "string", "pattern": DNS_LABEL},
@@ -245,6 +312,7 @@ def values_schema() -> Schema:
                     "pools": {"type": "integer"},
                 }
             ),
+            "autoscaling": autoscaling_schema(),
             "engines": objects(ENGINE),
             "pools": objects(POOL),
             "admissionPolicies": objects(ADMISSION),

@@ -22,6 +22,20 @@ class Config:
     """The address /metrics listens on (the chart gives the pod IP)."""
     master_key: str = ""
     """Secret from which every engine's admin key is derived."""
+    priority: int | None = None
+    """Peering priority of this replica; None: drawn at random (two replicas never tie)."""
+    peering_lifetime_s: int = 20
+    """Seconds after its last keep-alive that a silent peer is presumed dead (failover)."""
+    autoscale_port: int | None = None
+    """Where the autoscaling JSON (KEDA metrics-api) is served, on `metrics_address`; None:
+    not served."""
+    external_metrics_port: int | None = None
+    """Where the external.metrics.k8s.io API is served over HTTPS; None: not served."""
+    external_metrics_cert: Path | None = None
+    """Its serving certificate and key (PEM files); required with the port."""
+    external_metrics_key: Path | None = None
+    external_metrics_service: str = "polykv-system/polykv-operator-external-metrics"
+    """namespace/name of the Service the APIService routes to (checked before serving)."""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Config:
@@ -31,12 +45,38 @@ class Config:
         if not key and key_file:
             key = Path(key_file).read_text().strip()
         port = e.get("POLYKV_OPERATOR_METRICS_PORT")
+        priority = e.get("POLYKV_OPERATOR_PRIORITY")
         return cls(
             poll_interval_s=float(e.get("POLYKV_OPERATOR_POLL_INTERVAL", "5")),
             metrics_port=int(port) if port else None,
             metrics_address=e.get("POLYKV_OPERATOR_METRICS_ADDRESS") or "0.0.0.0",
             master_key=key,
+            priority=int(priority) if priority else None,
+            peering_lifetime_s=int(e.get("POLYKV_OPERATOR_PEERING_LIFETIME", "20")),
+            autoscale_port=_port(e, "POLYKV_OPERATOR_AUTOSCALE_PORT"),
+            external_metrics_port=_port(e, "POLYKV_OPERATOR_EXTERNAL_METRICS_PORT"),
+            external_metrics_cert=_path(e, "POLYKV_OPERATOR_EXTERNAL_METRICS_CERT"),
+            external_metrics_key=_path(e, "POLYKV_OPERATOR_EXTERNAL_METRICS_KEY"),
+            external_metrics_service=e.get("POLYKV_OPERATOR_EXTERNAL_METRICS_SERVICE")
+            or cls.external_metrics_service,
         )
+
+    def check(self) -> None:
+        """Settings that cannot work together fail at start, naming the variable."""
+        self.require_master_key()
+        if self.external_metrics_port is not None and not (
+            self.external_metrics_cert and self.external_metrics_key
+        ):
+            raise ConfigError(
+                "POLYKV_OPERATOR_EXTERNAL_METRICS_PORT needs POLYKV_OPERATOR_EXTERNAL_METRICS_CERT"
+                " and POLYKV_OPERATOR_EXTERNAL_METRICS_KEY (the serving certificate's files)"
+            )
+        ns, _, name = self.external_metrics_service.partition("/")
+        if not ns or not name or "/" in name:
+            raise ConfigError(
+                "POLYKV_OPERATOR_EXTERNAL_METRICS_SERVICE must be namespace/name, not "
+                f"{self.external_metrics_service!r}"
+            )
 
     def require_master_key(self) -> str:
         if not self.master_key:
@@ -45,3 +85,21 @@ class Config:
                 "the operator derives each engine's admin key from it"
             )
         return self.master_key
+
+
+def _port(env: dict[str, str], key: str) -> int | None:
+    raw = env.get(key)
+    if not raw:
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        raise ConfigError(f"{key} must be a port number, not {raw!r}") from None
+    if not 0 < port < 65536:
+        raise ConfigError(f"{key} must be a port number (1-65535), not {raw!r}")
+    return port
+
+
+def _path(env: dict[str, str], key: str) -> Path | None:
+    raw = env.get(key)
+    return Path(raw) if raw else None

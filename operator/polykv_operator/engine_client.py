@@ -2,8 +2,9 @@
 
 Two kinds of failure, because the operator reacts differently: `EngineUnreachable` (no
 answer, a timeout, a 5xx, still loading, or our admin key not yet the replica's: try again
-later, never assume the pool is gone) and `EngineRejected` (a 4xx: the engine understood and
-said no). A refusal carries the engine's machine-readable `reason` (one of
+later, never assume the pool is gone) and `EngineRejected` (a 4xx, or a 5xx carrying one of
+the engine's refusal codes such as `kv_full`, `queue_full` or `pools_disabled`: the engine
+answered and said no). A refusal carries the engine's machine-readable `reason` (one of
 `polykv_api.models.Reason`); programs match that, never the `message`, whose wording is for
 people and may change between engine versions. Every call is timed in the operator's
 metrics by operation and result.
@@ -28,11 +29,17 @@ T = TypeVar("T")
 LIST_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 # Creating a pool waits for its prefill; a long prefix on a CPU takes a while.
 CREATE_TIMEOUT = httpx.Timeout(120.0, connect=2.0)
+# A dry run only renders and tokenizes: it holds a round up for no longer than this.
+DRY_RUN_TIMEOUT = httpx.Timeout(30.0, connect=2.0)
 
 EngineRejected = polykv_client.RequestRejected
-"""A 4xx answer: `status`, the engine's `reason` code, error `type` and `message`. `reason`
-is None only when the engine sent no known code and the status has more than one meaning
-(an older engine's 409)."""
+"""A refusal: `status`, the engine's `reason` code, error `type` and `message`. `reason` is
+None only when the engine sent no known code and the status has more than one meaning (an
+older engine's 409)."""
+
+# A 5xx with one of these codes is an answer, not a failure to answer: the engine is up and
+# refuses (503 kv_full / queue_full: busy now; 501 pools_disabled: never on this engine).
+REFUSALS_5XX: frozenset[str] = frozenset({"kv_full", "queue_full", "pools_disabled"})
 
 
 class EngineUnreachable(Exception):
@@ -50,6 +57,14 @@ class EngineClient:
             create_timeout=CREATE_TIMEOUT,
             http=http,
         )
+        # The same replica for dry runs, whose "slow" calls get the shorter timeout.
+        self.dry = AsyncPolyKVClient(
+            base_url,
+            admin_key=admin_key,
+            timeout=LIST_TIMEOUT,
+            create_timeout=DRY_RUN_TIMEOUT,
+            http=http,
+        )
 
     async def _timed(self, op: str, call: Awaitable[T]) -> T:
         t0 = time.monotonic()
@@ -57,7 +72,14 @@ class EngineClient:
         try:
             try:
                 value = await call
-            except (EngineUnavailable, AuthError) as exc:
+            except EngineUnavailable as exc:
+                if exc.reason in REFUSALS_5XX and exc.status is not None:
+                    result = "rejected"
+                    raise EngineRejected(
+                        exc.status, exc.message, exc.type, exc.reason, exc.retry_after, exc.body
+                    ) from exc
+                raise EngineUnreachable(str(exc)) from exc
+            except AuthError as exc:
                 # 401/403: our key is not (yet) the replica's; nothing we send can work.
                 raise EngineUnreachable(str(exc)) from exc
             except EngineRejected:
@@ -76,9 +98,10 @@ class EngineClient:
     ) -> wire.PoolCreated:
         """POST /polykv/pools for a root (`parent` None), else the fork route of `parent`."""
         op = "dry_run" if req.dry_run else "create"
+        api = self.dry if req.dry_run else self.api
         if parent is None:
-            return await self._timed(op, self.api.create_pool(req))
-        return await self._timed(op, self.api.fork_pool(parent, req))
+            return await self._timed(op, api.create_pool(req))
+        return await self._timed(op, api.fork_pool(parent, req))
 
     async def release(self, ref: str) -> bool:
         """True when released now, False when the replica has no such pool."""
@@ -87,6 +110,10 @@ class EngineClient:
         except PoolNotFound:
             return False
         return True
+
+    async def evict(self, ref: str) -> wire.PoolStatus:
+        """Drop the pool's KV but keep it: the next attach or fork re-materializes it."""
+        return await self._timed("evict", self.api.pool_action(ref, "evict"))
 
     async def set_admission(self, ref: str, policy: wire.AdmissionPolicy) -> wire.PoolStatus:
         return await self._timed("admission", self.api.set_admission(ref, policy))

@@ -1,6 +1,12 @@
-"""The engine timer's use case: one round for one engine fleet. Poll every replica once,
+"""The engine loop's use case: one round for one engine fleet. Poll every replica once,
 bring each one to the declared tree (parents first), push admission policies, set each
-pod's readiness gate, then compute the engine's status.
+pod's readiness gate, then write the status of the engine and of each of its pools (only
+what changed).
+
+`serve` runs rounds for one engine: at once when something is poked (a pool applied, a
+replica ready, a policy edited; pokes during a round coalesce into one more round), else
+every interval as a safety net. One loop per engine, no per-pool timer: an idle operator
+costs the same with 10 pools or 1,000.
 
 The round is the only code that creates pools on engines or sets their policies; the pool
 finalizer (pool_release.py) is the only code that releases them. Both hold the engine's
@@ -22,12 +28,16 @@ from polykv_api import models as wire
 
 from . import gates, manifests, metrics
 from . import status as stat
-from .api import PolyKVEngineSpec
+from .api import ENGINE, POOL, PolyKVEngineSpec
+from .autoscale import deletion_cost
 from .engine_client import EngineClient, EngineRejected, EngineUnreachable
 from .faults import crash_point
 from .fleet import (
+    BUSY,
+    FULL,
     CreateError,
     EngineState,
+    Fleet,
     Observation,
     Render,
     RenderFailure,
@@ -40,6 +50,12 @@ from .tree import PoolNode, PoolRequest, Problem, by_name, check, parents_first,
 log = logging.getLogger("polykv.operator.engine_round")
 
 GateWriter = Callable[[str, gates.GateWant], Awaitable[None]]  # (pod name, wanted)
+CostWriter = Callable[[str, str], Awaitable[None]]  # (pod name, pod-deletion-cost)
+# (plural, object name, status merge patch); an object gone meanwhile is not an error.
+StatusWriter = Callable[[str, str, dict[str, Any]], Awaitable[None]]
+
+COALESCE_S = 0.05  # after a poke, wait this long for the rest of a `kubectl apply` burst
+WRITE_CONCURRENCY = 16  # status writes in flight at once (one API server, many pools)
 
 
 @dataclass(frozen=True)
@@ -107,6 +123,12 @@ def rejected_reason(exc: EngineRejected, pod: str, name: str) -> RenderFailure:
             return RenderFailure(
                 "EngineFull", f"replica {pod}: {msg}; raise the engine's spec.maxPools"
             )
+        case "pools_disabled":
+            return RenderFailure(
+                "PoolsDisabled",
+                f"replica {pod}: {msg}; this engine serves no pools (check its spec.extraArgs "
+                "and its model)",
+            )
         case _:
             return RenderFailure("PrefixRejected", f"the engine refused the prefix: {msg}")
 
@@ -120,17 +142,21 @@ class Round:
         state: EngineState,
         http: httpx.AsyncClient,
         write_gate: GateWriter,
+        write_cost: CostWriter | None = None,
     ) -> None:
         self.view = view
         self.state = state
         self.http = http
         self.write_gate = write_gate
+        self.write_cost = write_cost
         self.pools = by_name(view.pools)
         self.mine = [n for n in view.pools if n.engine == view.name]
         self.clients: dict[str, EngineClient] = {}
         self.pods = {p.name: p for p in view.pods if not p.terminating}
         self.changed: set[str] = set()  # pods we mutated this round
         self.desired: list[Desired] = []
+        labels = {n.name: dict(n.labels) for n in view.pools}
+        self.selection = select(view.policies, labels)
 
     # -- the round ------------------------------------------------------------------
 
@@ -138,21 +164,30 @@ class Round:
         st = self.state
         st.rounds += 1
         st.pods = dict(self.pods)
+        st.deleting &= {n.uid for n in self.view.pools}  # gone from the cluster: forgotten
         serving = [p for p in self.pods.values() if p.ready and p.ip]
         self.clients = {p.name: client_for(self.http, self.view, st, p) for p in serving}
         await self._poll_all(serving)
+        crash_point("polled")  # replicas polled, nothing changed yet
         await self._gates(final=False)
         async with st.lock:
             await self._converge()
-        if self.changed:
-            await self._poll_all([self.pods[n] for n in self.changed])
+        # No re-poll: every create and policy push answered with the pool as it now is on
+        # that replica (Observation.add_pool), so the listings are current.
         await self._gates(final=True)
-        # The fleet's figure, for the engine's status and the floor-pressure metric.
-        st.mean_active_tps = stat.mean_active_tps(
+        if self.write_cost is not None:
+            await self._deletion_costs(self.write_cost)
+        # The fleet's figures, for the engine's status and the metrics.
+        listings = [
             lst
             for n, o in st.replicas.items()
             if n in self.clients and o.reachable and (lst := o.listing) is not None
-        )
+        ]
+        st.mean_active_tps = stat.mean_active_tps(listings)
+        declared = {n.name for n in self.mine}
+        theirs = [p for lst in listings for p in lst.pools if p.name not in declared]
+        st.unmanaged_pools = len(theirs)
+        st.orphaned_pins = sum(1 for p in theirs if p.orphaned_pin)
 
     async def _poll_all(self, pods: Sequence[ReplicaRef]) -> None:
         found = await asyncio.gather(*(poll(self.clients[p.name], p) for p in pods))
@@ -210,6 +245,8 @@ class Round:
                 obs.reachable, obs.error = False, str(exc)
                 continue
             except EngineRejected as exc:
+                if exc.reason in BUSY:
+                    continue  # busy (KV or queue full): no verdict on the prefix
                 failure = rejected_reason(exc, obs.pod, node.name)
                 self.state.renders[node.uid] = failure
                 log.warning(
@@ -222,6 +259,7 @@ class Round:
                 return None
             render = Render(res.prefix_len, res.branch_pos, res.prefix_hash)
             self.state.renders[node.uid] = render
+            crash_point("rendered")  # dry run answered, nothing created
             return render
         return None  # no replica can answer yet
 
@@ -231,11 +269,13 @@ class Round:
         ]
 
     async def _materialize(self, want: Desired) -> None:
+        errors = self.state.create_errors.get(want.node.uid, {})
         missing = [
             o
             for o in self._reachable()
             if o.pool(want.node.name) is None
             and (want.parent is None or o.pool(want.parent) is not None)
+            and (o.pod not in errors or errors[o.pod].retry_due())
         ]
         if missing:
             await asyncio.gather(*(self._create(o, want) for o in missing))
@@ -245,28 +285,37 @@ class Round:
         errors = self.state.create_errors.setdefault(node.uid, {})
         if node.uid in self.state.deleting:
             return
+        client = self.clients[obs.pod]
         try:
-            res = await self.clients[obs.pod].create(want.parent, want.request)
+            try:
+                res = await client.create(want.parent, want.request)
+            except EngineRejected as exc:
+                # A tree larger than the replica's pool sequence ids: a cold pool makes room
+                # (the engine keeps it, and re-materializes it on its next attach or fork).
+                if exc.reason != FULL or not await self._evict_one(obs, want):
+                    raise
+                res = await client.create(want.parent, want.request)
         except EngineUnreachable as exc:
             obs.reachable, obs.error = False, str(exc)
             errors[obs.pod] = CreateError(f"no answer: {exc}")
             return
         except EngineRejected as exc:
-            errors[obs.pod] = CreateError(exc.message, capacity=exc.reason == "seq_ids_exhausted")
+            errors[obs.pod] = CreateError(exc.message, exc.reason)
             log.warning(
-                "pool create failed ns=%s pool=%s pod=%s status=%s message=%s",
+                "pool create failed ns=%s pool=%s pod=%s status=%s reason=%s message=%s",
                 node.namespace,
                 node.name,
                 obs.pod,
                 exc.status,
+                exc.reason,
                 exc.message,
             )
             return
         errors.pop(obs.pod, None)
         self.changed.add(obs.pod)
         crash_point("pool-created")  # created on the engine, not yet in any status
-        if res.pool is not None and obs.listing is not None:
-            obs.listing.pools.append(res.pool)  # children in this round see their parent
+        if res.pool is not None:
+            obs.add_pool(res.pool)  # children in this round see their parent
         log.info(
             "pool materialized ns=%s pool=%s pod=%s pool_id=%s created=%s len=%d d=%d",
             node.namespace,
@@ -278,9 +327,54 @@ class Round:
             res.branch_pos,
         )
 
+    async def _evict_one(self, obs: Observation, want: Desired) -> bool:
+        """Evicts the coldest declared pool of this replica that nobody uses (not pinned, no
+        sessions, no resident child, not an ancestor of `want`). False: none can go."""
+        if obs.listing is None:
+            return False
+        keep = set()
+        parent = want.parent
+        while parent is not None:
+            keep.add(parent)
+            node = self.pools.get(parent)
+            parent = node.parent if node is not None else None
+        declared = {n.name for n in self.mine}
+        resident_parents = {
+            p.parent for p in obs.listing.pools if p.residency != "evicted" and p.parent is not None
+        }
+        cold = sorted(
+            (
+                p
+                for p in obs.listing.pools
+                if p.name in declared
+                and p.name not in keep
+                and p.residency == "resident"
+                and not p.pinned
+                and not p.sessions
+                and p.pool_id not in resident_parents
+            ),
+            key=lambda p: p.last_access_ts,
+        )
+        for victim in cold:
+            assert victim.name is not None
+            try:
+                evicted = await self.clients[obs.pod].evict(victim.name)
+            except EngineRejected:
+                continue  # in use since the poll: the next one
+            obs.add_pool(evicted)
+            crash_point("pool-evicted")
+            log.info(
+                "pool evicted to make room ns=%s pool=%s pod=%s for=%s",
+                self.view.namespace,
+                victim.name,
+                obs.pod,
+                want.node.name,
+            )
+            return True
+        return False
+
     async def _push_policies(self) -> None:
-        labels = {n.name: dict(n.labels) for n in self.view.pools}
-        selection = select(self.view.policies, labels)
+        selection = self.selection
         self.state.policy_errors.clear()
         jobs = []
         for want in self.desired:
@@ -302,16 +396,18 @@ class Round:
         client = self.clients[obs.pod]
         try:
             if target is None:
-                await client.clear_admission(name)
+                now = await client.clear_admission(name)
             else:
-                await client.set_admission(name, target)
+                now = await client.set_admission(name, target)
         except EngineUnreachable as exc:
             obs.reachable, obs.error = False, str(exc)
             return
         except EngineRejected as exc:
             self.state.policy_errors[name] = f"replica {obs.pod}: {exc.message}"
             return
+        obs.add_pool(now)
         self.changed.add(obs.pod)
+        crash_point("policy-pushed")
         log.info(
             "admission policy pushed ns=%s pool=%s pod=%s cleared=%s",
             self.view.namespace,
@@ -323,14 +419,19 @@ class Round:
     # -- readiness gates ------------------------------------------------------------------
 
     def complete(self, obs: Observation | None) -> bool:
-        """Every rendered declared pool and its policy are on this replica."""
+        """Every rendered declared pool and its policy are on this replica, except pools
+        that cannot fit on it (refused for capacity): the gate does not wait for those."""
         if obs is None or not obs.reachable:
             return False
-        labels = {n.name: dict(n.labels) for n in self.view.pools}
-        selection = select(self.view.policies, labels)
-        for name, render in self._rendered().items():
+        selection = self.selection
+        for name, (uid, render) in self._rendered().items():
             pool = obs.pool(name)
-            if pool is None or pool.prefix_hash != render.prefix_hash:
+            if pool is None:
+                err = self.state.create_errors.get(uid, {}).get(obs.pod)
+                if err is not None and err.capacity:
+                    continue
+                return False
+            if pool.prefix_hash != render.prefix_hash:
                 return False
             if name in selection.conflicts:
                 continue
@@ -340,12 +441,13 @@ class Round:
                 return False
         return True
 
-    def _rendered(self) -> dict[str, Render]:
-        out: dict[str, Render] = {}
+    def _rendered(self) -> dict[str, tuple[str, Render]]:
+        """Declared pools with a render: name -> (uid, render)."""
+        out: dict[str, tuple[str, Render]] = {}
         for node in self.mine:
             r = self.state.renders.get(node.uid)
             if isinstance(r, Render) and not node.deleting and node.uid not in self.state.deleting:
-                out[node.name] = r
+                out[node.name] = (node.uid, r)
         return out
 
     async def _gates(self, final: bool) -> None:
@@ -367,6 +469,7 @@ class Round:
 
     async def _write_gate(self, pod: ReplicaRef, want: gates.GateWant) -> None:
         await self.write_gate(pod.name, want)
+        crash_point("gate-written")
         log.info(
             "readiness gate ns=%s pod=%s ready=%s reason=%s",
             self.view.namespace,
@@ -377,6 +480,30 @@ class Round:
         pod = replace(pod, gate="True" if want.status else "False")
         self.pods[pod.name] = pod
         self.state.pods[pod.name] = pod
+
+    # -- pod deletion cost ----------------------------------------------------------------
+
+    async def _deletion_costs(self, write: CostWriter) -> None:
+        """Each pod's pod-deletion-cost: the sessions its replica holds (written when it
+        changed), so that a scale-down removes the replica with the fewest."""
+        st = self.state
+        alive = {p.uid for p in self.pods.values()}
+        st.costs_sent = {uid: v for uid, v in st.costs_sent.items() if uid in alive}
+        todo = deletion_cost.wanted(self.pods, st.replicas, st.costs_sent)
+
+        async def one(name: str, value: str) -> None:
+            pod = self.pods[name]
+            try:
+                await write(name, value)
+            except Exception as exc:  # the next round tries again
+                log.warning(
+                    "deletion cost write failed ns=%s pod=%s: %s", self.view.namespace, name, exc
+                )
+                return
+            deletion_cost.record(st.costs_sent, pod, value)
+            log.debug("deletion cost ns=%s pod=%s cost=%s", self.view.namespace, name, value)
+
+        await asyncio.gather(*(one(n, v) for n, v in sorted(todo.items())))
 
 
 # -- the use cases ------------------------------------------------------------------------
@@ -389,10 +516,11 @@ async def run_round(
     write_gate: GateWriter,
     generation: int,
     status: Mapping[str, Any] | None,
+    write_cost: CostWriter | None = None,
 ) -> dict[str, Any]:
     """One round, then the engine's status: the merge patch for it ({} when unchanged)."""
     try:
-        await Round(view, state, http, write_gate).run()
+        await Round(view, state, http, write_gate, write_cost).run()
         metrics.ROUNDS.labels("ok").inc()
     except Exception:
         metrics.ROUNDS.labels("error").inc()
@@ -419,5 +547,135 @@ async def drop_stale_gate(
         return None
     state.synced.pop(pod.uid, None)
     await write_gate(pod.name, want)
+    crash_point("gate-written")
     log.info("readiness gate dropped ns=%s pod=%s reason=%s", state.key[0], pod.name, want.reason)
     return want
+
+
+# -- the engine's loop -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The engine and its namespace as the operator's indexes show them now."""
+
+    view: ClusterView
+    uid: str
+    generation: int
+    status: Mapping[str, Any]
+    resource_version: str
+
+
+async def run_cycle(
+    snap: Snapshot,
+    state: EngineState,
+    fleet: Fleet,
+    http: httpx.AsyncClient,
+    write_gate: GateWriter,
+    write_status: StatusWriter,
+    write_cost: CostWriter | None = None,
+) -> None:
+    """One round, then the engine's status and its pools' statuses, each written only when
+    it changed (and not again while the watch has not yet shown our last write)."""
+    view = snap.view
+    patch = await run_round(view, state, http, write_gate, snap.generation, snap.status, write_cost)
+    if state.written.needs(snap.uid, snap.resource_version, patch):
+        await write_status(ENGINE.plural, view.name, patch)
+        state.written.sent(snap.uid, snap.resource_version, patch)
+        crash_point("engine-status-written")
+    await write_pool_statuses(view, state, fleet, write_status)
+
+
+async def write_pool_statuses(
+    view: ClusterView, state: EngineState, fleet: Fleet, write_status: StatusWriter
+) -> int:
+    """The status of every live pool of this engine, from the last round (no engine calls);
+    returns how many were written. Deleting pools are the finalizer's to write."""
+    policies = select(view.policies, {n.name: dict(n.labels) for n in view.pools})
+    ctx = stat.PoolContext(
+        pools=by_name(view.pools),
+        engines=view.engines,
+        fleet={e: s for e in view.engines if (s := fleet.peek(view.namespace, e)) is not None},
+        selection=policies,
+    )
+    limit = asyncio.Semaphore(WRITE_CONCURRENCY)
+    written = 0
+
+    async def one(node: PoolNode, patch: dict[str, Any]) -> None:
+        nonlocal written
+        async with limit:
+            try:
+                await write_status(POOL.plural, node.name, patch)
+            except Exception as exc:  # the next round tries again
+                log.warning(
+                    "pool status write failed ns=%s pool=%s: %s", node.namespace, node.name, exc
+                )
+                return
+        state.written.sent(node.uid, node.resource_version, patch)
+        written += 1
+        log.debug(
+            "pool status written ns=%s pool=%s rv=%s fields=%s",
+            node.namespace,
+            node.name,
+            node.resource_version,
+            sorted(patch),
+        )
+        crash_point("pool-status-written")
+
+    jobs = []
+    for node in view.pools:
+        if node.engine != view.name or node.deleting:
+            continue
+        new = stat.pool_status(node, ctx, stat.previous_conditions(node.status))
+        metrics.POOLS.record(
+            metrics.PoolFigures(
+                node.namespace,
+                node.name,
+                node.engine,
+                {c.type: c.status for c in new.conditions or []},
+                bool(new.orphaned_pin),
+            )
+        )
+        patch = stat.patch_for(node.status, new)
+        if state.written.needs(node.uid, node.resource_version, patch):
+            jobs.append(one(node, patch))
+    await asyncio.gather(*jobs)
+    return written
+
+
+async def serve(
+    state: EngineState,
+    snapshot: Callable[[], Snapshot],
+    fleet: Fleet,
+    http: httpx.AsyncClient,
+    write_gate: GateWriter,
+    write_status: StatusWriter,
+    interval_s: float,
+    stopped: Callable[[], bool],
+    write_cost: CostWriter | None = None,
+) -> None:
+    """Rounds for one engine until `stopped()`: at once when poked (pokes that arrive during
+    a round make exactly one more), else every `interval_s`. A failed round is logged and
+    retried with back-off; the loop itself never ends on an error."""
+    state.poke()  # the first round at once
+    failures = 0
+    while not stopped():
+        wait = interval_s if not failures else min(interval_s * 2**failures, 60.0)
+        try:
+            await asyncio.wait_for(state.wake.wait(), timeout=wait)
+            await asyncio.sleep(COALESCE_S)
+        except TimeoutError:
+            pass
+        if stopped():
+            return
+        state.wake.clear()
+        try:
+            await run_cycle(snapshot(), state, fleet, http, write_gate, write_status, write_cost)
+        except Exception:
+            failures += 1
+            metrics.RECONCILES.labels("engine", "round", "error").inc()
+            log.exception("engine round failed ns=%s engine=%s (%d in a row)", *state.key, failures)
+            await asyncio.sleep(min(0.5 * 2**failures, 10.0))
+            continue
+        failures = 0
+        metrics.RECONCILES.labels("engine", "round", "ok").inc()

@@ -15,11 +15,14 @@ from typing import Any
 
 from polykv_api import models as wire
 
-from .names import CONTAINER, GATE
+from .names import CONTAINER, DELETION_COST, GATE
 
 EngineKey = tuple[str, str]  # (namespace, engine name)
 
 RENDER_RETRY_S = 30.0  # a rejected prefix is asked about again after this long
+CAPACITY_RETRY_S = 30.0  # a replica full of pools is asked again after this long
+FULL = "seq_ids_exhausted"  # the engine's code for "no pool sequence id left"
+BUSY = frozenset({"kv_full", "queue_full"})  # codes for "busy now, the same may work later"
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class ReplicaRef:
     restarts: int = 0
     waiting_reason: str | None = None  # e.g. CrashLoopBackOff, RunContainerError
     waiting_message: str | None = None
+    deletion_cost: str | None = None  # the pod-deletion-cost annotation as the pod has it
 
     @classmethod
     def from_pod(cls, body: Mapping[str, Any]) -> ReplicaRef:
@@ -58,7 +62,21 @@ class ReplicaRef:
             restarts=int(c.get("restartCount") or 0),
             waiting_reason=waiting.get("reason"),
             waiting_message=waiting.get("message"),
+            deletion_cost=(meta.get("annotations") or {}).get(DELETION_COST),
         )
+
+
+def replica_changed(before: ReplicaRef | None, now: ReplicaRef) -> bool:
+    """A change a round should act on (not our own gate write): a new, ready, moved,
+    restarted or leaving replica."""
+    if before is None:
+        return True
+    return (before.ready, before.ip, before.restarts, before.terminating) != (
+        now.ready,
+        now.ip,
+        now.restarts,
+        now.terminating,
+    )
 
 
 @dataclass
@@ -73,14 +91,35 @@ class Observation:
     error: str | None = None
     listing: wire.PoolList | None = None
     at: float = field(default_factory=time.time)
+    _by_name: dict[str, wire.PoolStatus] | None = field(default=None, repr=False, compare=False)
+    _indexed: tuple[int, int] = field(default=(0, 0), repr=False, compare=False)
 
     def pool(self, name: str) -> wire.PoolStatus | None:
+        """The pool of that name on this replica (a dict lookup: listings hold hundreds)."""
         if self.listing is None:
             return None
-        for p in self.listing.pools:
-            if p.name == name:
-                return p
-        return None
+        key = (id(self.listing.pools), len(self.listing.pools))
+        if self._by_name is None or self._indexed != key:
+            self._by_name = {p.name: p for p in self.listing.pools if p.name is not None}
+            self._indexed = key
+        return self._by_name.get(name)
+
+    def add_pool(self, pool: wire.PoolStatus) -> None:
+        """A pool the engine just created or changed (its own answer), in place of a re-poll."""
+        if self.listing is None:
+            return
+        before = self.pool(pool.name) if pool.name is not None else None
+        held = before is not None and before.residency != "evicted"
+        holds = pool.residency != "evicted"
+        self.listing.seq_ids_used += int(holds) - int(held)  # one sequence id per resident pool
+        self.listing.pools = [p for p in self.listing.pools if p.name != pool.name] + [pool]
+        self._by_name = None
+
+    def drop_pool(self, name: str) -> None:
+        if self.listing is None:
+            return
+        self.listing.pools = [p for p in self.listing.pools if p.name != name]
+        self._by_name = None
 
     @property
     def boot_id(self) -> str | None:
@@ -113,7 +152,23 @@ class CreateError:
     """Why creating a pool on one replica failed."""
 
     message: str
-    capacity: bool = False  # the engine has no free pool sequence id
+    reason: str | None = None  # the engine's refusal code; None: no answer
+    at: float = field(default_factory=time.time)
+
+    @property
+    def capacity(self) -> bool:
+        """No free pool sequence id, and no cold pool to evict: it cannot fit there."""
+        return self.reason == FULL
+
+    @property
+    def busy(self) -> bool:
+        """KV or wait queue full: it may fit later."""
+        return self.reason in BUSY
+
+    def retry_due(self, now: float | None = None) -> bool:
+        """A replica that refused for room is not asked again at every round."""
+        waited = (now or time.time()) - self.at
+        return not (self.capacity or self.busy) or waited > CAPACITY_RETRY_S
 
 
 @dataclass(frozen=True)
@@ -136,23 +191,83 @@ class EngineState:
     policy_errors: dict[str, str] = field(default_factory=dict)  # pool name -> message
     synced: dict[str, Synced] = field(default_factory=dict)  # pod uid ->
     deleting: set[str] = field(default_factory=set)  # pool uids whose release has begun
+    refused: dict[str, int] = field(default_factory=dict)  # pool uid -> refused releases
     rounds: int = 0
     mean_active_tps: float | None = None
+    unmanaged_pools: int = 0  # pools no PolyKVPool declares (agent-made), over the replicas
+    orphaned_pins: int = 0  # ... of which pinned with no sessions and no children
     # Serializes engine mutations: a round's creates against a delete handler's releases.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Set when something changed that a round should act on now (a pool applied, a replica
+    # ready, a policy edited); the engine's loop runs at once instead of at the interval.
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    # What the loop last wrote, so it writes nothing while the watch has not caught up.
+    written: WriteMemo = field(default_factory=lambda: WriteMemo())
+    # pod uid -> (pod-deletion-cost sent, the annotation the index showed then)
+    costs_sent: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+
+    def poke(self) -> None:
+        self.wake.set()
 
     def forget_pool(self, uid: str) -> None:
-        """A pool released everywhere: nothing about it is worth keeping."""
+        """A pool released everywhere: nothing about it is worth keeping, except that it is
+        going (`deleting`, dropped once the object is gone): a round that read the cluster
+        before the delete must not create it again."""
         self.renders.pop(uid, None)
         self.create_errors.pop(uid, None)
-        self.deleting.discard(uid)
+        self.refused.pop(uid, None)
+        self.written.forget(uid)
+
+
+class WriteMemo:
+    """Status patches sent per object, keyed by its uid, with the resourceVersion the object
+    had when they were sent. While the watch still shows that version, a patch equal to the
+    one sent is not sent again; once a newer version arrives (ours or anybody's), what the
+    object says is the reference again, so an overwrite by someone else is corrected."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, tuple[str, dict[str, Any]]] = {}
+
+    def needs(self, uid: str, resource_version: str, patch: dict[str, Any]) -> bool:
+        if not patch:
+            return False
+        sent = self._sent.get(uid)
+        return sent is None or sent[0] != resource_version or sent[1] != patch
+
+    def sent(self, uid: str, resource_version: str, patch: dict[str, Any]) -> None:
+        self._sent[uid] = (resource_version, patch)
+
+    def forget(self, uid: str) -> None:
+        self._sent.pop(uid, None)
 
 
 class Fleet:
-    """All engines this operator process serves."""
+    """All engines this operator process serves, and the pools released by it (so that a
+    parent waiting for its children learns at once that they are gone from the engines)."""
 
     def __init__(self) -> None:
         self.engines: dict[EngineKey, EngineState] = {}
+        self.released: set[str] = set()  # pool uids released everywhere
+        self._changed: asyncio.Condition | None = None
+
+    def changed(self) -> asyncio.Condition:
+        """Notified whenever a pool has been released (created lazily: it binds to the loop)."""
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def mark_released(self, uid: str, alive: set[str]) -> None:
+        """`uid` is off every replica; `alive`: uids still in the cluster (older ones go)."""
+        self.released &= alive
+        self.released.add(uid)
+        cond = self.changed()
+        async with cond:
+            cond.notify_all()
+
+    def poke_namespace(self, namespace: str) -> None:
+        for (ns, _), state in self.engines.items():
+            if ns == namespace:
+                state.poke()
 
     def get(self, namespace: str, name: str) -> EngineState:
         key = (namespace, name)

@@ -1,6 +1,6 @@
 """A small async Kubernetes client for the writes kopf does not do for us (owned objects,
-pod readiness gates, deleting child pools and a disabled router), on the credentials kopf
-logged in with.
+pod readiness gates and deletion costs, deleting child pools and a disabled router, the
+status the engine loops write), on the credentials kopf logged in with.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import httpx
 
 from .conditions import now_rfc3339
 from .gates import GateWant
-from .names import GATE
+from .names import DELETION_COST, GATE
 
 log = logging.getLogger("polykv.operator.kube")
 
@@ -38,7 +38,8 @@ PATHS = {
         "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings"
     ),
 }
-POOLS = "/apis/polykv.io/v1alpha1/namespaces/{ns}/polykvpools"
+OURS = "/apis/polykv.io/v1alpha1/namespaces/{ns}/{plural}"
+POOLS = OURS.replace("{plural}", "polykvpools")
 
 
 class KubeError(Exception):
@@ -67,6 +68,17 @@ class Kube:
         if resp.status_code >= 400:
             raise KubeError(resp.status_code, resp.text, f"{method} {path}")
         return resp
+
+    async def get(self, path: str) -> Obj | None:
+        """A read (the autoscaling servers' few); None when the object is not there."""
+        try:
+            resp = await self._req("GET", path)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        out: Obj = resp.json()
+        return out
 
     async def apply(self, namespace: str, obj: Obj, strategic: bool = True) -> str:
         """Create the object, or patch it to match when it exists. Returns what happened."""
@@ -106,6 +118,25 @@ class Kube:
             await self._req("PATCH", path, {"status": {"conditions": [cond]}}, STRATEGIC)
         except KubeError as exc:
             if exc.status != 404:  # the pod went away meanwhile
+                raise
+
+    async def set_deletion_cost(self, namespace: str, pod: str, cost: str) -> None:
+        """The pod's pod-deletion-cost annotation (a ReplicaSet deletes the lowest first)."""
+        path = f"/api/v1/namespaces/{namespace}/pods/{pod}"
+        body = {"metadata": {"annotations": {DELETION_COST: cost}}}
+        try:
+            await self._req("PATCH", path, body, MERGE)
+        except KubeError as exc:
+            if exc.status != 404:  # the pod went away meanwhile
+                raise
+
+    async def patch_status(self, namespace: str, plural: str, name: str, patch: Obj) -> None:
+        """Merge-patch the status of one of our objects; one that is gone is not an error."""
+        path = f"{OURS.format(ns=namespace, plural=plural)}/{name}/status"
+        try:
+            await self._req("PATCH", path, {"status": patch}, MERGE)
+        except KubeError as exc:
+            if exc.status != 404:
                 raise
 
     async def delete_pool(self, namespace: str, name: str) -> None:

@@ -4,24 +4,29 @@ that owns the use case, and writes the result back through kopf.
 
 Run it with `kopf run -m polykv_operator.main` (or `polykv-operator`). Who writes what:
 
-- PolyKVEngine: create/update/resume apply its Secret, Deployment and Service; its timer
-  runs one round (engine_round.run_round: poll each replica once, materialize, push
-  policies, gates) and is the only writer of the engine's status.
-- PolyKVPool: create/resume link it to its parent (tree.parent_owner_reference); its timer
-  is the only writer of its status while it lives; the delete handler (finalizer,
-  pool_release.finalize_pool) releases it on every replica, children first, and writes its
-  status while it goes.
-- AdmissionPolicy: its timer writes its status; the engine rounds push it to the engines.
+- PolyKVEngine: create/update/resume apply its Secret, Deployment and Service; its daemon
+  (engine_round.serve) runs the engine's rounds: poll each replica once, materialize, push
+  policies, gates, then write the engine's status and its live pools' statuses (their only
+  writer while they live). A round runs at once when poked, else every poll interval.
+- PolyKVPool: create/resume link it to its parent (tree.parent_owner_reference) and poke
+  its engine; the delete handler (finalizer, pool_release.finalize_pool) releases it on
+  every replica, children first, and writes its status while it goes. No per-pool timer.
+- AdmissionPolicy: its timer writes its status; any event of one pokes the namespace's
+  engines, whose rounds push it.
 - Pods of an engine: an event handler drops the readiness gate the moment an engine stops
-  or restarts (engine_round.drop_stale_gate); the engine round raises it again.
+  or restarts (engine_round.drop_stale_gate) and pokes the engine when a replica comes or
+  goes; the engine round raises the gate again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import random
+import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -39,9 +44,21 @@ from .api import (
     PolyKVEngineSpec,
     PolyKVPoolSpec,
 )
+from .autoscale.aggregate import Signal, engine_signal
+from .autoscale.metrics_api import ExternalSettings, Servers
 from .config import Config
-from .engine_round import ClusterView, GateWriter, drop_stale_gate, run_round
-from .fleet import EngineState, Fleet, ReplicaRef
+from .engine_round import (
+    ClusterView,
+    CostWriter,
+    GateWriter,
+    Snapshot,
+    StatusWriter,
+    drop_stale_gate,
+    serve,
+    write_pool_statuses,
+)
+from .faults import crash_point
+from .fleet import EngineState, Fleet, ReplicaRef, replica_changed
 from .kube import Kube
 from .names import ENGINE_LABEL, FINALIZER, PREFIX
 from .policies import PolicyNode, select
@@ -78,8 +95,17 @@ class Clients:
         """Sets a pod's readiness gate in `namespace` (engine_round decides which and how)."""
         return functools.partial(self.kube_client().set_gate, namespace)
 
+    def cost_writer(self, namespace: str) -> CostWriter:
+        """Sets a pod's pod-deletion-cost annotation in `namespace`."""
+        return functools.partial(self.kube_client().set_deletion_cost, namespace)
+
+    def status_writer(self, namespace: str) -> StatusWriter:
+        """Merge-patches the status of one of our objects in `namespace`."""
+        return functools.partial(self.kube_client().patch_status, namespace)
+
 
 CLIENTS = Clients()
+SERVERS = Servers()
 
 
 # ------------------------------------------------------------------------ operator setup
@@ -87,7 +113,7 @@ CLIENTS = Clients()
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    CONFIG.require_master_key()  # fail fast: engines cannot be administered without it
+    CONFIG.check()  # fail fast: no master key, or autoscaling settings that cannot work
     # One finalizer for everything: pools need it to release their KV on the engines, and
     # kopf puts it on every object with a timer so that the timer stops before it goes.
     settings.persistence.finalizer = FINALIZER
@@ -105,6 +131,17 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # A replica's state is polled by our timers; a watch stall must not hide for long.
     settings.watching.inactivity_timeout = 600
     settings.execution.max_workers = 4  # no sync handlers do heavy work
+    # A timer or daemon being stopped (its object deleting) is checked on this often; kopf's
+    # 60 s default held a finalizer for a minute whenever one was mid-call.
+    settings.background.cancellation_polling = 0.5
+    # Peering (`--peering polykv`, not --standalone): the live operator with the highest
+    # priority acts, the others wait; each replica draws its own so that two never tie (a
+    # tie pauses both). A SIGKILLed leader is presumed dead after `lifetime` seconds.
+    if CONFIG.priority is not None:
+        settings.peering.priority = CONFIG.priority
+    elif settings.peering.priority == 0:
+        settings.peering.priority = random.randrange(1, 2**31)
+    settings.peering.lifetime = CONFIG.peering_lifetime_s
     # Timers succeed every interval on every object; their success is not news.
     logging.getLogger("kopf.objects").addFilter(_QuietTimers())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
@@ -113,9 +150,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         metrics.REGISTRY.register(metrics.PoolCollector(metrics.POOLS.rows))
         metrics.serve(CONFIG.metrics_port, CONFIG.metrics_address)
     log.info(
-        "operator configured poll_interval_s=%s metrics_port=%s",
+        "operator configured poll_interval_s=%s metrics_port=%s peering_priority=%s",
         CONFIG.poll_interval_s,
         CONFIG.metrics_port,
+        settings.peering.priority,
     )
 
 
@@ -125,6 +163,7 @@ class _QuietTimers(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
         routine = msg.startswith("Timer ") or msg.startswith("Handler 'engine_pod_event'")
+        routine = routine or msg.startswith("Handler 'policy_event'")
         return not (routine and msg.endswith(" succeeded."))
 
 
@@ -137,8 +176,46 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return info
 
 
+def _signal(namespace: str, engine: str) -> Signal | None:
+    state = FLEET.peek(namespace, engine)
+    return None if state is None else engine_signal(state, time.time())
+
+
+async def _logged_in() -> Any:
+    """The API client once the login handler has run (kopf logs in after startup)."""
+    while CLIENTS.connection is None:
+        await asyncio.sleep(0.2)
+    return CLIENTS.kube_client()
+
+
+@kopf.on.startup()
+async def autoscale_servers(**_: Any) -> None:
+    """The autoscaling JSON now; the external metrics API once logged in (it reads the
+    front-proxy CA and the APIService first), in the background."""
+    if CONFIG.autoscale_port is not None:
+        await SERVERS.start_json(_signal, CONFIG.metrics_address, CONFIG.autoscale_port)
+    if CONFIG.external_metrics_port is not None:
+        assert CONFIG.external_metrics_cert and CONFIG.external_metrics_key  # CONFIG.check()
+        ns, name = CONFIG.external_metrics_service.split("/", 1)
+        settings = ExternalSettings(
+            CONFIG.metrics_address,
+            CONFIG.external_metrics_port,
+            CONFIG.external_metrics_cert,
+            CONFIG.external_metrics_key,
+            ns,
+            name,
+        )
+
+        async def external() -> None:
+            kube = await _logged_in()
+            await SERVERS.start_external(_signal, settings, kube.get)
+
+        SERVERS.task = asyncio.create_task(external())
+
+
 @kopf.on.cleanup()
 async def close(**_: Any) -> None:
+    await SERVERS.stop()
     if CLIENTS.http is not None:
         await CLIENTS.http.aclose()
     if CLIENTS.kube is not None:
@@ -197,7 +274,13 @@ def engines_idx(
 
 @kopf.index(GROUP, VERSION, POOL.plural)
 def pools_idx(
-    namespace: str | None, name: str, uid: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any
+    namespace: str | None,
+    name: str,
+    uid: str,
+    spec: kopf.Spec,
+    meta: kopf.Meta,
+    status: kopf.Status,
+    **_: Any,
 ) -> dict[str, PoolNode] | None:
     try:
         parsed = PolyKVPoolSpec.model_validate(dict(spec))
@@ -212,6 +295,8 @@ def pools_idx(
         labels=dict(meta.get("labels") or {}),
         generation=int(meta.get("generation") or 1),
         deleting=bool(meta.get("deletionTimestamp")),
+        status=dict(status),
+        resource_version=str(meta.get("resourceVersion") or ""),
     )
     return {node.namespace: node}
 
@@ -277,6 +362,7 @@ async def apply_engine(
         # Secrets are merge-patched: the operator may not read them, only write them.
         what = await kube.apply(namespace, obj, strategic=obj["kind"] != "Secret")
         logger.info(f"{obj['kind']} {obj['metadata']['name']} {what}")
+        crash_point(f"{obj['kind'].lower()}-applied")
     if not routed:
         for api_version, kind in manifests.ROUTER_KINDS:
             router = manifests.router_name(name)
@@ -285,42 +371,91 @@ async def apply_engine(
 
 
 @kopf.on.delete(GROUP, VERSION, ENGINE.plural, optional=True)
-def forget_engine(name: str, namespace: str | None, **_: Any) -> None:
-    FLEET.forget(str(namespace), name)
-
-
-@kopf.timer(GROUP, VERSION, ENGINE.plural, interval=CONFIG.poll_interval_s)
-@_counted("engine", "round")
-async def engine_round(
+@_counted("engine", "forget")
+async def forget_engine(
     name: str,
-    namespace: str,
-    uid: str,
+    namespace: str | None,
     spec: kopf.Spec,
-    meta: kopf.Meta,
-    status: kopf.Status,
-    patch: kopf.Patch,
+    engines_idx: kopf.Index[str, EngineEntry],
+    pools_idx: kopf.Index[str, PoolNode],
+    policies_idx: kopf.Index[str, PolicyNode],
+    **_: Any,
+) -> None:
+    """The engine's pools say EngineNotFound (no loop writes them any more)."""
+    namespace = str(namespace)
+    state = FLEET.peek(namespace, name)
+    FLEET.forget(namespace, name)
+    try:
+        parsed = PolyKVEngineSpec.model_validate(dict(spec))
+    except ValueError:
+        return
+    view = _view(namespace, name, parsed, engines_idx, pools_idx, policies_idx, [])
+    view = replace(view, engines=[e for e in view.engines if e != name])
+    memo = state if state is not None else EngineState((namespace, name))
+    await write_pool_statuses(view, memo, FLEET, CLIENTS.status_writer(namespace))
+
+
+def _view(
+    namespace: str,
+    name: str,
+    spec: PolyKVEngineSpec,
+    engines_idx: kopf.Index[str, EngineEntry],
+    pools_idx: kopf.Index[str, PoolNode],
+    policies_idx: kopf.Index[str, PolicyNode],
+    pods: list[ReplicaRef],
+) -> ClusterView:
+    return ClusterView(
+        namespace=namespace,
+        name=name,
+        spec=spec,
+        pods=pods,
+        pools=_ns(pools_idx, namespace),
+        policies=_ns(policies_idx, namespace),
+        engines=[e.name for e in _ns(engines_idx, namespace)],
+    )
+
+
+@kopf.daemon(GROUP, VERSION, ENGINE.plural, cancellation_timeout=1.0)
+@_counted("engine", "loop")  # its rounds are counted as handler="round" (engine_round.serve)
+async def engine_loop(
+    name: str,
+    namespace: str | None,
+    uid: str,
+    body: kopf.Body,
+    stopped: kopf.DaemonStopped,
     engines_idx: kopf.Index[str, EngineEntry],
     pools_idx: kopf.Index[str, PoolNode],
     policies_idx: kopf.Index[str, PolicyNode],
     pods_idx: kopf.Index[tuple[str, str], ReplicaRef],
     **_: Any,
 ) -> None:
-    """One round (engine_round.run_round); then the engine's status if it changed."""
-    parsed = PolyKVEngineSpec.model_validate(dict(spec))
-    view = ClusterView(
-        namespace=namespace,
-        name=name,
-        spec=parsed,
-        pods=_ns(pods_idx, (namespace, name)),
-        pools=_ns(pools_idx, namespace),
-        policies=_ns(policies_idx, namespace),
-        engines=[e.name for e in _ns(engines_idx, namespace)],
-    )
-    state = _engine_state(namespace, name, uid)
-    gates = CLIENTS.gate_writer(namespace)
-    generation = int(meta.get("generation") or 1)
-    patch.status.update(
-        await run_round(view, state, CLIENTS.engine_http(), gates, generation, status)
+    """The engine's rounds (engine_round.serve) for as long as the engine exists: `body` and
+    the indexes are live views, read afresh for each round."""
+    ns = str(namespace)
+
+    def snapshot() -> Snapshot:
+        spec = PolyKVEngineSpec.model_validate(dict(body.spec))
+        pods = _ns(pods_idx, (ns, name))
+        view = _view(ns, name, spec, engines_idx, pools_idx, policies_idx, pods)
+        meta = body.meta
+        return Snapshot(
+            view=view,
+            uid=uid,
+            generation=int(meta.get("generation") or 1),
+            status=dict(body.status),
+            resource_version=str(meta.get("resourceVersion") or ""),
+        )
+
+    await serve(
+        _engine_state(ns, name, uid),
+        snapshot,
+        FLEET,
+        CLIENTS.engine_http(),
+        CLIENTS.gate_writer(ns),
+        CLIENTS.status_writer(ns),
+        CONFIG.poll_interval_s,
+        lambda: bool(stopped),
+        CLIENTS.cost_writer(ns),
     )
 
 
@@ -361,10 +496,27 @@ async def link_parent(
     spec: kopf.Spec,
     patch: kopf.Patch,
     pools_idx: kopf.Index[str, PoolNode],
+    status: kopf.Status,
+    engines_idx: kopf.Index[str, EngineEntry],
+    policies_idx: kopf.Index[str, PolicyNode],
     **_: Any,
 ) -> None:
     """A child pool is owned by its parent: deleting a root removes the tree (and tools that
-    follow ownerReferences show it). Waits for a missing parent; refuses a cycle."""
+    follow ownerReferences show it). Waits for a missing parent; refuses a cycle. Pokes the
+    engine, whose next round (now) materializes the pool and writes its status; a pool
+    whose engine does not exist gets its status here (no engine loop will write it)."""
+    engine = str((spec.get("engineRef") or {}).get("name", ""))
+    state = FLEET.peek(namespace, engine)
+    if state is not None:
+        state.poke()
+    elif not status and all(e.name != engine for e in _ns(engines_idx, namespace)):
+        # A new pool whose engine does not exist (on resume the engine index may not be
+        # filled yet, and a pool already has a status: its engine loop, or the engine's
+        # delete handler, wrote it).
+        node = _me(namespace, name, pools_idx)
+        ctx = _pool_context(namespace, engines_idx, pools_idx, policies_idx)
+        new = stat.pool_status(node, ctx, stat.previous_conditions(status))
+        patch.status.update(stat.patch_for(status, new))
     parent = spec.get("parent")
     if not parent:
         return
@@ -377,34 +529,15 @@ async def link_parent(
     refs = list(body.meta.get("ownerReferences") or [])
     if not any(r.get("uid") == found.uid for r in refs):
         patch.metadata["ownerReferences"] = [*refs, parent_owner_reference(found)]
+        crash_point("pool-linked")
 
 
-@kopf.timer(GROUP, VERSION, POOL.plural, interval=CONFIG.poll_interval_s)
-@_counted("pool", "status")
-async def pool_status(
-    name: str,
-    namespace: str,
-    status: kopf.Status,
-    patch: kopf.Patch,
-    engines_idx: kopf.Index[str, EngineEntry],
-    pools_idx: kopf.Index[str, PoolNode],
-    policies_idx: kopf.Index[str, PolicyNode],
-    **_: Any,
-) -> None:
-    """The pool's status from the last engine round (no engine calls here)."""
-    node = _me(namespace, name, pools_idx)
-    ctx = _pool_context(namespace, engines_idx, pools_idx, policies_idx)
-    new = stat.pool_status(node, ctx, stat.previous_conditions(status))
-    patch.status.update(stat.patch_for(status, new))
-    metrics.POOLS.record(
-        metrics.PoolFigures(
-            namespace,
-            name,
-            node.engine,
-            {c.type: c.status for c in new.conditions or []},
-            bool(new.orphaned_pin),
-        )
-    )
+@kopf.on.update(GROUP, VERSION, POOL.plural, field="metadata.labels")
+async def pool_labels(namespace: str | None, spec: kopf.Spec, **_: Any) -> None:
+    """Labels pick admission policies: the engine's round re-selects them now."""
+    state = FLEET.peek(str(namespace), str((spec.get("engineRef") or {}).get("name", "")))
+    if state is not None:
+        state.poke()
 
 
 @kopf.on.delete(GROUP, VERSION, POOL.plural)
@@ -433,11 +566,12 @@ async def release_pool(
         namespace,
         name,
         uid,
-        _ns(pools_idx, namespace),
+        lambda: _ns(pools_idx, namespace),
         holder,
         CLIENTS.engine_http(),
         CLIENTS.kube_client(),
         status,
+        FLEET,
     )
     if waiting is not None:
         patch.status.update(waiting.status_patch)
@@ -471,6 +605,12 @@ async def policy_status(
     patch.status.update(stat.patch_for(status, new))
 
 
+@kopf.on.event(GROUP, VERSION, ADMISSION.plural)
+async def policy_event(namespace: str | None, **_: Any) -> None:
+    """A policy applied, edited or deleted: the engines of its namespace push it now."""
+    FLEET.poke_namespace(str(namespace))
+
+
 # -------------------------------------------------------------------------------- pods
 
 
@@ -479,8 +619,12 @@ async def engine_pod_event(
     namespace: str | None, body: kopf.Body, labels: kopf.Labels, **_: Any
 ) -> None:
     """Drops the readiness gate as soon as an engine stops or restarts: its KV is gone, and
-    the Service must not route to it until the next round re-materializes the tree."""
+    the Service must not route to it until the next round re-materializes the tree. A
+    replica that came, went, turned ready or restarted pokes the engine's round."""
     state = FLEET.peek(str(namespace), labels.get(ENGINE_LABEL, ""))
     if state is None or namespace is None:
         return
-    await drop_stale_gate(state, ReplicaRef.from_pod(body), CLIENTS.gate_writer(namespace))
+    pod = ReplicaRef.from_pod(body)
+    if replica_changed(state.pods.get(pod.name), pod):
+        state.poke()
+    await drop_stale_gate(state, pod, CLIENTS.gate_writer(namespace))

@@ -2,13 +2,16 @@
 
 Event counts and latencies are plain Counters/Histograms; fleet gauges come from a
 Collector that reads the in-memory fleet at scrape time, so they never go stale.
-HPA/KEDA read `polykv_engine_floor_pressure` (target tps / mean active tps; above 1 means
-sessions run below the floor), a figure that falls as replicas are added.
+KEDA's prometheus scaler (or prometheus-adapter) reads each engine fleet's autoscaling signal
+(autoscale/aggregate.py) as `polykv_engine_floor_pressure` and
+`polykv_engine_session_demand_ratio`; both fall as replicas are added, and both are absent
+while the fleet's figures are stale (no value rather than an old one).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -16,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .autoscale.aggregate import engine_signal
 from .fleet import Fleet, Render
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -58,12 +62,17 @@ class EngineFigures:
         pools: int,
         mean_active_tps: float | None,
         floor_pressure: float | None,
+        unmanaged_pools: int = 0,
+        orphaned_pins: int = 0,
         restarts: dict[str, int] | None = None,
+        session_demand_ratio: float | None = None,
     ) -> None:
         self.namespace, self.engine = namespace, engine
         self.replicas, self.synced, self.pools = replicas, synced, pools
         self.mean_active_tps, self.floor_pressure = mean_active_tps, floor_pressure
+        self.unmanaged_pools, self.orphaned_pins = unmanaged_pools, orphaned_pins
         self.restarts = restarts or {}  # pod name -> the engine container's restart count
+        self.session_demand_ratio = session_demand_ratio
 
 
 class FleetCollector(Collector):
@@ -92,7 +101,24 @@ class FleetCollector(Collector):
         )
         pressure = GaugeMetricFamily(
             "polykv_engine_floor_pressure",
-            "Highest admission floor over the engine's pools divided by mean active tps",
+            "Max over pools with a floor of floor x sessions / their tps, summed over the "
+            "serving replicas (absent while stale)",
+            labels=labels,
+        )
+        demand = GaugeMetricFamily(
+            "polykv_engine_session_demand_ratio",
+            "(active + refused in the last 60 s) / (active + headroom) sessions, summed over "
+            "the serving replicas (absent while stale)",
+            labels=labels,
+        )
+        unmanaged = GaugeMetricFamily(
+            "polykv_engine_unmanaged_pools",
+            "Pools on the replicas that no PolyKVPool declares (made through the engine API)",
+            labels=labels,
+        )
+        orphaned = GaugeMetricFamily(
+            "polykv_engine_orphaned_pins",
+            "Undeclared pools pinned with no sessions and no children (KV nobody releases)",
             labels=labels,
         )
         restarts = CounterMetricFamily(
@@ -107,16 +133,30 @@ class FleetCollector(Collector):
             replicas.add_metric(key, f.replicas)
             synced.add_metric(key, f.synced)
             pools.add_metric(key, f.pools)
+            unmanaged.add_metric(key, f.unmanaged_pools)
+            orphaned.add_metric(key, f.orphaned_pins)
             if f.mean_active_tps is not None:
                 tps.add_metric(key, f.mean_active_tps)
             if f.floor_pressure is not None:
                 pressure.add_metric(key, f.floor_pressure)
-        yield from (replicas, synced, pools, tps, pressure, restarts)
+            if f.session_demand_ratio is not None:
+                demand.add_metric(key, f.session_demand_ratio)
+        yield from (
+            replicas,
+            synced,
+            pools,
+            tps,
+            pressure,
+            demand,
+            unmanaged,
+            orphaned,
+            restarts,
+        )
 
 
 @dataclass(frozen=True)
 class PoolFigures:
-    """One declared pool as its status timer last computed it."""
+    """One declared pool as its engine's round last computed its status."""
 
     namespace: str
     pool: str
@@ -126,7 +166,7 @@ class PoolFigures:
 
 
 class PoolBook:
-    """The declared pools' last statuses, written by the pool timers, read at scrape time
+    """The declared pools' last statuses, written by the engine rounds, read at scrape time
     (alerts on Stalled pools and orphaned pins need them as series)."""
 
     def __init__(self) -> None:
@@ -182,19 +222,10 @@ def serve(port: int, address: str = "0.0.0.0") -> None:
 def figures(fleet: Fleet) -> list[EngineFigures]:
     """Per engine, from the fleet's last rounds."""
     out = []
+    now = time.time()
     for (ns, name), state in list(fleet.engines.items()):
         pods = [p for p in state.pods.values() if not p.terminating]
-        floor = None
-        if state.mean_active_tps:
-            targets = [
-                float(p.admission.target_tps_per_session)
-                for o in state.replicas.values()
-                if o.listing is not None
-                for p in o.listing.pools
-                if p.admission is not None
-            ]
-            if targets:
-                floor = round(max(targets) / state.mean_active_tps, 3)
+        signal = engine_signal(state, now)
         out.append(
             EngineFigures(
                 ns,
@@ -203,7 +234,10 @@ def figures(fleet: Fleet) -> list[EngineFigures]:
                 synced=len([p for p in pods if p.gate == "True"]),
                 pools=len([r for r in state.renders.values() if isinstance(r, Render)]),
                 mean_active_tps=state.mean_active_tps,
-                floor_pressure=floor,
+                floor_pressure=signal.floor_pressure,
+                session_demand_ratio=signal.session_demand_ratio,
+                unmanaged_pools=state.unmanaged_pools,
+                orphaned_pins=state.orphaned_pins,
                 restarts={p.name: p.restarts for p in pods},
             )
         )

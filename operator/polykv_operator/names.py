@@ -28,3 +28,13 @@ ENGINE_LABEL: they must not be taken for engine replicas (or join the engine's S
 
 ROUTER_CONTAINER = "router"
 """Name of the router container in its pod template."""
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+"""Pod annotation a ReplicaSet reads when it scales down: the pod with the lowest cost goes
+first. The operator keeps it equal to the sessions each engine replica holds."""
+
+FLOOR_PRESSURE = "polykv_floor_pressure"
+"""An engine fleet's floor pressure, by this name in every form it is served in."""
+
+DEMAND_RATIO = "polykv_session_demand_ratio"
+"""An engine fleet's session demand ratio, by this name in every form it is served in."""

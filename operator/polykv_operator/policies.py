@@ -81,7 +81,7 @@ def select(policies: Iterable[PolicyNode], pools: Mapping[str, Mapping[str, str]
 def engine_policy(spec: AdmissionPolicySpec) -> wire.AdmissionPolicy:
     """The body of POST /polykv/pools/{pool}/admission."""
     return wire.AdmissionPolicy(
-        target_tps_per_session=float(spec.target_tps_per_session),
+        target_tps_per_session=spec.target_tps_per_session,
         mode=spec.mode,
         on_saturation=spec.on_saturation,
         guarantee_min_sessions=spec.guarantee_min_sessions,

@@ -123,8 +123,15 @@ def _pool_verdict(node: PoolNode, ctx: PoolContext) -> Verdict:
         pod, message = full[0]
         return Verdict.stalled(
             "EngineFull",
-            f"replica {pod}: {message} ({len(full)} replica(s) full); raise the engine's "
-            "spec.maxPools or delete pools",
+            f"replica {pod}: {message} ({len(full)} replica(s) full, every other pool there "
+            "pinned or in use, so none could be evicted); raise the engine's spec.maxPools, "
+            "unpin pools or delete some",
+        )
+    busy = sorted((pod, e.message) for pod, e in errors.items() if e.busy)
+    if busy and len(have) < len(serving):
+        pod, message = busy[0]
+        return Verdict.reconciling(
+            "EngineBusy", f"replica {pod} is busy: {message}; asked again shortly"
         )
     if unreachable:
         o = unreachable[0]
@@ -139,6 +146,13 @@ def _pool_verdict(node: PoolNode, ctx: PoolContext) -> Verdict:
             "Materializing",
             f"materialized on {len(have)}/{len(serving)} replicas"
             + (f" ({detail})" if detail else ""),
+        )
+    evicted = [o.pod for o in have if (p := o.pool(node.name)) and p.residency == "evicted"]
+    if evicted:
+        return Verdict.ready(
+            "MaterializedEvicted",
+            f"materialized on {len(have)}/{len(serving)} replicas; evicted (cold) on "
+            f"{', '.join(evicted)} to fit the engine's maxPools: re-materialized on first use",
         )
     return Verdict.ready("Materialized", f"materialized on {len(have)}/{len(serving)} replicas")
 
@@ -220,6 +234,8 @@ def engine_status(
 ) -> PolyKVEngineStatus:
     pods = [p for p in state.pods.values() if not p.terminating]
     ready = [p for p in pods if p.ready and p.gate == "True"]
+    names = {n.name for n in declared}
+    evicted_total = 0
     rows: list[ReplicaStatus] = []
     for pod in sorted(pods, key=lambda p: p.name):
         obs = state.replicas.get(pod.name)
@@ -232,6 +248,13 @@ def engine_status(
             row.kv_cells_used, row.kv_cells_total = lst.kv_cells_used, lst.kv_cells_total
             row.sessions = sum(len(p.sessions) for p in lst.pools)
             row.mean_active_tps = mean_active_tps([lst])
+            ours = [p for p in lst.pools if p.name in names]
+            theirs = [p for p in lst.pools if p.name not in names]
+            row.pools_evicted = sum(1 for p in ours if p.residency == "evicted")
+            evicted_total += row.pools_evicted
+            row.unmanaged_pools = len(theirs)
+            orphans = sorted(p.name or f"#{p.pool_id}" for p in theirs if p.orphaned_pin)
+            row.orphaned_pins = orphans or None
         elif pod.waiting_reason:
             row.message = f"{pod.waiting_reason}: {pod.waiting_message or ''}".rstrip(": ")
         elif obs is not None and obs.error:
@@ -251,6 +274,13 @@ def engine_status(
         verdict = Verdict.stalled(
             p.waiting_reason or "PodFailing",
             f"pod {p.name}: {p.waiting_message or p.waiting_reason}",
+        )
+    elif len(ready) == spec.replicas and len(pods) == spec.replicas and evicted_total:
+        verdict = Verdict.ready(
+            "PoolsEvicted",
+            f"{len(ready)}/{spec.replicas} replicas ready; {len(declared)} declared pools "
+            f"exceed maxPools {spec.max_pools}: {evicted_total} cold pool(s) evicted over the "
+            "replicas, kept by name and re-materialized on first use",
         )
     elif len(ready) == spec.replicas and len(pods) == spec.replicas:
         verdict = Verdict.ready("ReplicasReady", f"{len(ready)}/{spec.replicas} replicas ready")

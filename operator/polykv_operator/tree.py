@@ -31,6 +31,9 @@ class PoolNode:
     labels: Mapping[str, str] = field(default_factory=dict)
     generation: int = 1
     deleting: bool = False
+    # The object's status and version as last seen (the engine loop diffs against them).
+    status: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    resource_version: str = field(default="", compare=False)
 
     @property
     def engine(self) -> str:

@@ -3,14 +3,17 @@ values that change its shape, and the generated files against their sources."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from cryptography import x509
 
 from polykv_operator import chartgen, crdgen
+from polykv_operator.autoscale import apiservice
 
 from .chart import CHART, ROOT, helm
 
@@ -227,3 +230,148 @@ def test_hooks_can_be_turned_off(tmp_path: Path, flag: str) -> None:
     jobs = named(render(tmp_path, None, "--set", flag), "Job")
     gone = "rel-polykv-hooks-cleanup" if flag.startswith("cleanup") else "rel-polykv-hooks-crds"
     assert gone not in jobs and len(jobs) == 1
+
+
+# ------------------------------------------------------------------------- autoscaling
+
+AUTOSCALED: Obj = {
+    **EXAMPLE_VALUES,
+    "autoscaling": {
+        "engines": [{"name": "demo", "namespace": "agents"}, {"name": "big", "maxReplicas": 9}]
+    },
+}
+
+
+def env_of(docs: list[Obj]) -> dict[str, Obj]:
+    (dep,) = named(docs, "Deployment").values()
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e for e in c["env"]}
+
+
+def test_autoscaling_is_off_by_default_but_the_json_is_served(tmp_path: Path) -> None:
+    docs = render(tmp_path)
+    assert not {"HorizontalPodAutoscaler", "ScaledObject", "APIService"} & set(kinds(docs))
+    assert env_of(docs)["POLYKV_OPERATOR_AUTOSCALE_PORT"]["value"] == "8082"
+    assert "POLYKV_OPERATOR_EXTERNAL_METRICS_PORT" not in env_of(docs)
+    svc = named(docs, "Service")["rel-polykv-operator-metrics"]
+    assert {"name": "autoscale", "port": 8082, "targetPort": "autoscale", "protocol": "TCP"} in (
+        svc["spec"]["ports"]
+    )
+    off = render(tmp_path, None, "--set", "autoscaling.jsonPort=0")
+    assert "POLYKV_OPERATOR_AUTOSCALE_PORT" not in env_of(off)
+
+
+def test_an_hpa_per_engine_on_its_scale_subresource_with_both_metrics(tmp_path: Path) -> None:
+    hpas = named(render(tmp_path, AUTOSCALED), "HorizontalPodAutoscaler")
+    demo, big = hpas["demo"], hpas["big"]
+    assert demo["metadata"]["namespace"] == "agents"
+    assert big["metadata"]["namespace"] == "polykv-system"
+    spec = demo["spec"]
+    assert spec["scaleTargetRef"] == {
+        "apiVersion": "polykv.io/v1alpha1",
+        "kind": "PolyKVEngine",
+        "name": "demo",
+    }
+    assert (spec["minReplicas"], spec["maxReplicas"]) == (1, 4)
+    assert big["spec"]["maxReplicas"] == 9
+    metrics = {m["external"]["metric"]["name"]: m["external"] for m in spec["metrics"]}
+    assert set(metrics) == {"polykv_floor_pressure", "polykv_session_demand_ratio"}
+    for ext in metrics.values():
+        assert ext["metric"]["selector"] == {"matchLabels": {"polykv.io/engine": "demo"}}
+        assert ext["target"]["type"] == "Value"
+    assert metrics["polykv_floor_pressure"]["target"]["value"] == "800m"
+    assert metrics["polykv_session_demand_ratio"]["target"]["value"] == "850m"
+    down = spec["behavior"]["scaleDown"]
+    assert down["stabilizationWindowSeconds"] == 600 and down["policies"][0]["value"] == 1
+    assert spec["behavior"]["scaleUp"]["stabilizationWindowSeconds"] == 0
+
+
+def test_a_keda_scaled_object_reads_the_operators_json(tmp_path: Path) -> None:
+    values = {**AUTOSCALED, "autoscaling": {**AUTOSCALED["autoscaling"], "kind": "keda"}}
+    docs = render(tmp_path, values)
+    assert "HorizontalPodAutoscaler" not in kinds(docs)
+    so = named(docs, "ScaledObject")["demo"]
+    assert so["spec"]["scaleTargetRef"]["kind"] == "PolyKVEngine"
+    assert so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+    triggers = {t["metadata"]["valueLocation"]: t for t in so["spec"]["triggers"]}
+    assert set(triggers) == {"floor_pressure", "session_demand_ratio"}
+    for t in triggers.values():
+        assert t["type"] == "metrics-api" and t["metricType"] == "Value"
+        assert t["metadata"]["format"] == "json"
+        assert t["metadata"]["url"] == (
+            "http://rel-polykv-operator-metrics.polykv-system.svc:8082/polykv/autoscale/agents/demo"
+        )
+    assert triggers["floor_pressure"]["metadata"]["targetValue"] == "0.8"
+    assert triggers["session_demand_ratio"]["metadata"]["targetValue"] == "0.85"
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"autoscaling": {"kind": "keda", "jsonPort": 0, "engines": [{"name": "e"}]}},
+            "set autoscaling.jsonPort",
+        ),
+        (
+            {"autoscaling": {"engines": [{"name": "e", "minReplicas": 5, "maxReplicas": 2}]}},
+            "minReplicas 5 above maxReplicas 2",
+        ),
+        ({"autoscaling": {"kind": "vpa"}}, "/autoscaling/kind"),
+        ({"autoscaling": {"floorPressureTarget": 0}}, "/autoscaling/floorPressureTarget"),
+        ({"autoscaling": {"engines": [{"name": "Bad_Name"}]}}, "/autoscaling/engines/0/name"),
+    ],
+)
+def test_impossible_autoscaling_values_are_refused(
+    tmp_path: Path, values: Obj, message: str
+) -> None:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    out = helm("template", "rel", str(CHART), "-f", str(path), check=False)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+def test_the_external_metrics_provider_objects(tmp_path: Path) -> None:
+    docs = render(tmp_path, None, "--set", "autoscaling.externalMetrics.enabled=true")
+    (api,) = named(docs, "APIService").values()
+    # The operator serves behind exactly this APIService (its own verdict says "ours").
+    assert apiservice.verdict(api, "polykv-system", "rel-polykv-operator-external-metrics").serve
+    assert (
+        apiservice.verdict(api, "polykv-system", "rel-polykv-operator-external-metrics").state
+        == "ours"
+    )
+    svc = named(docs, "Service")["rel-polykv-operator-external-metrics"]
+    assert svc["spec"]["ports"] == [
+        {"name": "https", "port": 443, "targetPort": "external-metrics", "protocol": "TCP"}
+    ]
+    secret = named(docs, "Secret")["rel-polykv-operator-external-metrics-tls"]
+    assert secret["data"]["ca.crt"] == api["spec"]["caBundle"]
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "rel-polykv-operator-external-metrics.polykv-system.svc" in names.get_values_for_type(
+        x509.DNSName
+    )  # what the aggregator checks the serving certificate for
+    env = env_of(docs)
+    assert env["POLYKV_OPERATOR_EXTERNAL_METRICS_SERVICE"]["value"] == (
+        "polykv-system/rel-polykv-operator-external-metrics"
+    )
+    assert env["POLYKV_OPERATOR_EXTERNAL_METRICS_PORT"]["value"] == "6443"
+    # The same permissions as the plain manifest, bound to the chart's names.
+    plain = [
+        d
+        for d in yaml.safe_load_all(
+            (ROOT / "operator" / "deploy" / "external-metrics-rbac.yaml").read_text()
+        )
+        if d
+    ]
+    assert sorted(
+        json.dumps(d["rules"], sort_keys=True) for d in plain if d["kind"] == "ClusterRole"
+    ) == sorted(
+        json.dumps(d["rules"], sort_keys=True)
+        for d in docs
+        if d["kind"] == "ClusterRole" and "external-metrics" in d["metadata"]["name"]
+    )
+    (binding,) = named(docs, "RoleBinding").values()
+    assert binding["metadata"]["namespace"] == "kube-system"
+    assert binding["roleRef"]["name"] == "extension-apiserver-authentication-reader"
+    ingress = named(docs, "NetworkPolicy")["rel-polykv-operator"]["spec"]["ingress"]
+    assert {"port": 6443, "protocol": "TCP"} in [p for rule in ingress for p in rule["ports"]]

@@ -34,6 +34,7 @@ BASE: dict[str, Any] = {
     "imagePullSecrets": [{"name": "pull"}],
     "networkPolicy": {"engineNamespaces": ["agents"]},
     "operator": {"watchNamespaces": ["agents"]},
+    "autoscaling": {"engines": [{"name": "e"}]},
 }
 
 

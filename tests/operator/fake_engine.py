@@ -73,6 +73,9 @@ class FakePool:
     capacity: CapacitySummary | None = field(default_factory=summary)  # None: an older engine
     rates: list[float] = field(default_factory=list)  # tps of each active decoding session
     warming: int = 0  # decoding sessions whose rate the engine has not measured yet
+    evicted: bool = False  # KV dropped, kept by name (re-materialized on use)
+    pinned: bool = False
+    last_access_ts: float = 0.0
 
     def sessions(self) -> list[PoolSession]:
         """Active sessions at their rates; warming ones with a wild first-tokens rate that
@@ -103,12 +106,12 @@ class FakePool:
             prefix_hash=f"{hash(tuple(self.tokens)) & 0xFFFFFFFF:08x}",
             own_kv_bytes=(len(self.tokens) - self.branch_pos) * 8,
             subtree_kv_bytes=len(self.tokens) * 8,
-            residency="resident",
-            pinned=False,
-            pinned_explicit=False,
-            orphaned_pin=False,
+            residency="evicted" if self.evicted else "resident",
+            pinned=self.pinned,
+            pinned_explicit=self.pinned,
+            orphaned_pin=self.pinned and not self.rates,
             created_ts=0.0,
-            last_access_ts=0.0,
+            last_access_ts=self.last_access_ts,
             depth=0,
             path=self.name,
             children=[],
@@ -131,8 +134,12 @@ class FakeEngine:
     pools: dict[str, FakePool] = field(default_factory=dict)
     down: bool = False  # answer nothing (connection refused)
     reasons: bool = True  # send reason codes in error bodies (False: an older engine)
+    busy: Reason | None = None  # refuse creates with 503 and this code (kv_full, queue_full)
     calls: list[str] = field(default_factory=list)
     next_id: int = 1
+    refused: int = 0  # distinct sessions refused in the last minute (autoscaling)
+    headroom: int = 3  # more sessions free slots and KV would take
+    unpooled: int = 0  # sessions holding KV outside any pool
 
     def restart(self, boot_id: str) -> None:
         self.boot_id, self.pools, self.next_id = boot_id, {}, 1
@@ -162,6 +169,13 @@ class FakeEngine:
                 return self._error(409, "has_children", f"pool {ref!r} has child pools")
             del self.pools[ref]
             return self._json(200, {"released": pool.pool_id, "boot_id": self.boot_id})
+        if verb == "evict" and method == "POST":
+            if pool.pinned:
+                return self._error(409, "pool_pinned", f"pool {ref!r} is pinned")
+            if any(p.parent == ref and not p.evicted for p in self.pools.values()):
+                return self._error(409, "pool_in_use", f"pool {ref!r} has resident children")
+            pool.evicted = True
+            return self._json(200, pool.status().model_dump())
         if verb == "admission":
             pool.admission = AdmissionPolicy.model_validate(body) if method == "POST" else None
             return self._json(200, pool.status().model_dump())
@@ -173,7 +187,7 @@ class FakeEngine:
             boot_id=self.boot_id,
             pools=[p.status() for p in self.pools.values()],
             tree_depth=1,
-            seq_ids_used=len(self.pools),
+            seq_ids_used=len(self.resident()),
             seq_ids_max=self.max_pools,
             kv_cells_used=0,
             kv_cells_total=self.n_ctx,
@@ -183,7 +197,25 @@ class FakeEngine:
             n_warming=sum(p.warming for p in self.pools.values()),
             active_tps_sum=sum(rates),
             mean_active_tps=sum(rates) / len(rates) if rates else 0.0,
+            unpooled_sessions=[
+                PoolSession(
+                    session_id=f"unpooled-{i}",
+                    slot=100 + i,
+                    shared_prefix_tokens=0,
+                    suffix_n_tokens=1,
+                    marginal_kv_bytes=8,
+                    tps_ewma=0.0,
+                    state="idle",
+                )
+                for i in range(self.unpooled)
+            ],
+            sessions_active=len(rates) + sum(p.warming for p in self.pools.values()),
+            sessions_refused=self.refused,
+            sessions_headroom=self.headroom,
         )
+
+    def resident(self) -> list[FakePool]:
+        return [p for p in self.pools.values() if not p.evicted]
 
     def _create(self, body: dict[str, Any], parent_ref: str | None) -> httpx.Response:
         tokens = tokens_of(body)
@@ -219,7 +251,9 @@ class FakeEngine:
                     boot_id=self.boot_id,
                 ).model_dump(),
             )
-        if len(self.pools) >= self.max_pools:
+        if self.busy is not None:
+            return self._error(503, self.busy, f"engine busy: {self.busy}")
+        if len(self.resident()) >= self.max_pools:
             return self._error(409, "seq_ids_exhausted", "no free pool sequence id: all in use")
         self.next_id += 1
         self.pools[name] = pool

@@ -60,10 +60,11 @@ def test_handler_ids_are_stable() -> None:
     ids = set(json.loads(out.stdout))
     assert {
         "apply_engine",
-        "engine_round",
+        "engine_loop",
         "forget_engine",
         "link_parent",
-        "pool_status",
+        "pool_labels/metadata.labels",
+        "policy_event",
         "release_pool",
         "policy_status",
         "engine_pod_event",
@@ -80,9 +81,10 @@ def test_crash_point_kills_only_at_its_count() -> None:
 
     code = (
         "from polykv_operator.faults import crash_point\n"
-        "crash_point('other'); crash_point('p'); print('alive', flush=True); crash_point('p')\n"
+        "crash_point('polled'); crash_point('rendered'); print('alive', flush=True); "
+        "crash_point('rendered')\n"
         "print('not reached')\n"
     )
-    env = {"POLYKV_OPERATOR_CRASH_AT": "p:2", "PATH": "/usr/bin:/bin"}
+    env = {"POLYKV_OPERATOR_CRASH_AT": "rendered:2", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == -9 and out.stdout == "alive\n"

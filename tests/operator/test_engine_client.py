@@ -67,3 +67,27 @@ def test_connection_error_is_unreachable() -> None:
     eng = FakeEngine(down=True)
     with pytest.raises(EngineUnreachable, match="ConnectError"):
         asyncio.run(client(eng).list_pools())
+
+
+@pytest.mark.parametrize(
+    ("status", "reason", "refusal"),
+    [
+        (503, "queue_full", True),
+        (503, "kv_full", True),
+        (501, "pools_disabled", True),
+        (503, "loading", False),
+        (500, "internal", False),
+    ],
+)
+def test_a_5xx_with_a_refusal_code_is_an_answer(status: int, reason: str, refusal: bool) -> None:
+    def handler(req: httpx.Request) -> httpx.Response:
+        body = {"error": {"code": status, "message": "no", "type": "x", "reason": reason}}
+        return httpx.Response(status, json=body)
+
+    client = EngineClient(
+        httpx.AsyncClient(transport=httpx.MockTransport(handler)), "http://e", "k"
+    )
+    with pytest.raises(EngineRejected if refusal else EngineUnreachable) as info:
+        asyncio.run(client.list_pools())
+    if refusal:
+        assert isinstance(info.value, EngineRejected) and info.value.reason == reason

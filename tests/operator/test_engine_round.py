@@ -10,10 +10,18 @@ from typing import Any
 import httpx
 import pytest
 
-from polykv_operator.engine_round import ClusterView, Round, drop_stale_gate, run_round
-from polykv_operator.fleet import EngineState, Render, RenderFailure, ReplicaRef
+from polykv_operator.engine_round import (
+    ClusterView,
+    Round,
+    Snapshot,
+    drop_stale_gate,
+    run_round,
+    serve,
+)
+from polykv_operator.fleet import EngineState, Fleet, Render, RenderFailure, ReplicaRef
 from polykv_operator.gates import GateWant
 from polykv_operator.policies import PolicyNode
+from polykv_operator.status import engine_status
 from polykv_operator.tree import PoolNode
 
 from .builders import NS, engine_spec, pod, policy, pool
@@ -130,14 +138,48 @@ def test_children_of_a_missing_parent_wait() -> None:
     assert "uid-orphan" not in h.state.renders
 
 
-def test_full_engine_is_recorded_per_replica() -> None:
+def test_a_tree_larger_than_the_engine_evicts_cold_pools_and_the_gate_rises() -> None:
     h = Harness(1)
     h.engine().max_pools = 2
+    roots = [pool(f"r{i}", text=f"Root number {i}.") for i in range(5)]
+    h.run(roots)
+    eng = h.engine()
+    assert sorted(eng.pools) == [f"r{i}" for i in range(5)]  # every pool, by name
+    assert len(eng.resident()) == 2 and sum(p.evicted for p in eng.pools.values()) == 3
+    assert not any(h.state.create_errors.values())
+    assert h.gates == [("eng-1", True, "PoolsMaterialized")]
+    st = engine_status(engine_spec(maxPools=2), "eng", 1, h.state, roots, None, "s")
+    ready = {c.type: c for c in st.conditions or []}["Ready"]
+    assert ready.status == "True" and ready.reason == "PoolsEvicted", ready
+    assert st.replica_status and st.replica_status[0].pools_evicted == 3
+    h.run(roots)  # steady: nothing created or evicted again
+    assert sum(c.endswith("/evict") for c in eng.calls) == 3
+
+
+def test_pools_that_cannot_fit_do_not_hold_the_gate() -> None:
+    h = Harness(1)
+    eng = h.engine()
+    eng.max_pools = 1
+    eng.pools["pinned"] = FakePool(99, "pinned", None, [1, 2], 0, pinned=True)  # not ours
     h.run(tree())
-    assert len(h.engine().pools) == 2
     errors = [e for errs in h.state.create_errors.values() for e in errs.values()]
     assert errors and errors[0].capacity and "no free pool sequence id" in errors[0].message
-    assert h.gates == [("eng-1", False, "Materializing")]
+    assert h.gates == [("eng-1", True, "PoolsMaterialized")]
+    creates = len([c for c in eng.calls if c == "POST /polykv/pools"])
+    h.run(tree())  # a full replica is not asked again at every round
+    assert len([c for c in eng.calls if c == "POST /polykv/pools"]) == creates
+    assert h.state.orphaned_pins == 1 and h.state.unmanaged_pools == 1
+
+
+def test_a_busy_engine_is_a_refusal_not_a_dead_replica() -> None:
+    h = Harness(1)
+    h.engine().busy = "queue_full"
+    h.run([pool("root", text=ROOT)])
+    (err,) = h.state.create_errors["uid-root"].values()
+    assert err.busy and not err.capacity and h.state.replicas["eng-1"].reachable
+    h.engine().busy = None
+    h.run([pool("root", text=ROOT)])
+    assert "root" not in h.engine().pools  # asked again after CAPACITY_RETRY_S, not at once
 
 
 def test_policies_are_pushed_and_cleared_and_conflicts_left_alone() -> None:
@@ -239,3 +281,59 @@ def test_the_round_keeps_the_fleets_mean_active_tps() -> None:
     h.engine(2).down = True  # an unreachable replica's last figures do not count
     h.run(tree())
     assert h.state.mean_active_tps == 10.0
+
+
+def test_the_loop_runs_a_round_when_poked_and_writes_only_what_changed() -> None:
+    h = Harness(1)
+    writes: list[tuple[str, str, dict[str, Any]]] = []
+
+    async def write_status(plural: str, name: str, patch: dict[str, Any]) -> None:
+        writes.append((plural, name, patch))
+
+    pools = [pool("root", text=ROOT)]
+    fleet = Fleet()
+    fleet.engines[(NS, "eng")] = h.state
+
+    def snapshot() -> Snapshot:
+        view = ClusterView(
+            NS, "eng", engine_spec(), list(h.pods.values()), list(pools), [], ["eng"]
+        )
+        return Snapshot(view, "uid-eng", 1, {}, "1")
+
+    async def scenario() -> list[int]:
+        task = asyncio.create_task(
+            serve(h.state, snapshot, fleet, h.http, h.write_gate, write_status, 30.0, lambda: False)
+        )
+        seen = []
+        for step in range(2):
+            for _ in range(1000):  # a round at once (first start, then the poke), not in 30 s
+                await asyncio.sleep(0.02)
+                if h.state.rounds > step:
+                    break
+            seen.append(h.state.rounds)
+            pools.append(pool("extra", text="Another root."))
+            h.state.poke()
+        task.cancel()
+        return seen
+
+    assert asyncio.run(scenario()) == [1, 2]
+    assert set(h.engine().pools) == {"root", "extra"}
+    kinds = [(plural, name) for plural, name, _ in writes]
+    assert kinds.count(("polykvpools", "root")) == 1  # written once; the memo held it since
+    ready = {c["type"]: c["status"] for c in writes[1][2]["conditions"]}
+    assert writes[1][1] == "root" and ready["Ready"] == "True"
+
+
+def test_a_round_that_read_the_cluster_before_a_release_does_not_create_the_pool_again() -> None:
+    h = Harness(1)
+    pools = tree()
+    h.run(pools)
+    eng = h.engine()
+    leaf = next(p for p in pools if p.name == "branch")
+    h.state.deleting.add(leaf.uid)  # the finalizer began, released it, and forgot it
+    del eng.pools["branch"]
+    h.state.forget_pool(leaf.uid)
+    h.run(pools)  # a snapshot from before the delete: the pool is still listed, not deleting
+    assert "branch" not in eng.pools
+    h.run([p for p in pools if p.name != "branch"])  # the object is gone
+    assert leaf.uid not in h.state.deleting

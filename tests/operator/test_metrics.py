@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, generate_latest
 
 from polykv_operator import metrics
@@ -12,11 +14,11 @@ from .builders import pod, policy
 from .fake_engine import FakeEngine, FakePool
 
 
-def test_fleet_collector_exports_floor_pressure() -> None:
+def test_fleet_collector_exports_the_autoscaling_signal() -> None:
     fleet = Fleet()
     st = fleet.get("ns", "eng")
-    eng = FakeEngine()
-    pool = FakePool(1, "root", None, [1], 0)
+    eng = FakeEngine(refused=2, headroom=2)
+    pool = FakePool(1, "root", None, [1], 0, rates=[10.0, 14.0])
     pool.admission = engine_policy(policy("p", targetTpsPerSession=6).spec)
     eng.pools["root"] = pool
     st.pods["a"] = pod("a", "1.1.1.1", gate="True")
@@ -25,9 +27,27 @@ def test_fleet_collector_exports_floor_pressure() -> None:
     reg = CollectorRegistry()
     reg.register(metrics.FleetCollector(lambda: metrics.figures(fleet)))
     text = generate_latest(reg).decode()
+    # floor x sessions / their tps: 6 x 2 / 24; (2 active + 2 refused) / (2 + 2 headroom)
     assert 'polykv_engine_floor_pressure{engine="eng",namespace="ns"} 0.5' in text
+    assert 'polykv_engine_session_demand_ratio{engine="eng",namespace="ns"} 1.0' in text
     assert 'polykv_engine_replicas_pools_ready{engine="eng",namespace="ns"} 1.0' in text
     assert "polykv_engine_mean_active_tps" in text
+
+
+def test_a_stale_signal_is_absent_not_old() -> None:
+    fleet = Fleet()
+    st = fleet.get("ns", "eng")
+    eng = FakeEngine()
+    st.pods["a"] = pod("a", "1.1.1.1", gate="True")
+    st.replicas["a"] = Observation(
+        "a", "uid-a", "1.1.1.1", True, None, eng.listing(), at=time.time() - 31
+    )
+    reg = CollectorRegistry()
+    reg.register(metrics.FleetCollector(lambda: metrics.figures(fleet)))
+    text = generate_latest(reg).decode()
+    assert 'polykv_engine_replicas{engine="eng",namespace="ns"} 1.0' in text
+    assert "polykv_engine_floor_pressure{" not in text
+    assert "polykv_engine_session_demand_ratio{" not in text
 
 
 def test_reconcile_counter_is_registered() -> None:

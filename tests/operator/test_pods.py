@@ -52,7 +52,8 @@ def test_replica_ref_from_a_pod() -> None:
 def test_forget_pool_drops_everything_about_it() -> None:
     st = EngineState((NS, "eng"))
     st.renders["u"] = st.renders["keep"] = Render(1, 0, "h")
-    st.create_errors["u"] = {"a": CreateError("full", capacity=True)}
+    st.create_errors["u"] = {"a": CreateError("full", "seq_ids_exhausted")}
     st.deleting.add("u")
     st.forget_pool("u")
-    assert list(st.renders) == ["keep"] and not st.create_errors and not st.deleting
+    assert list(st.renders) == ["keep"] and not st.create_errors
+    assert st.deleting == {"u"}  # until the object is gone (the round prunes it)

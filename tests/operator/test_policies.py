@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from polykv_operator.api import LabelSelector
+from typing import Any
+
+import jsonschema
+import pytest
+from pydantic import ValidationError
+
+from polykv_operator import crdgen
+from polykv_operator.api import ADMISSION, AdmissionPolicySpec, LabelSelector
 from polykv_operator.policies import engine_policy, matches, same_policy, select
 
 from .builders import policy
@@ -44,3 +51,33 @@ def test_engine_policy_and_equality() -> None:
     assert not same_policy(ep, None) and same_policy(None, None)
     other = engine_policy(policy("y").spec)
     assert not same_policy(ep, other)
+
+
+POLICY_SCHEMA = crdgen.crd(ADMISSION)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def crd_refuses(spec: dict[str, Any]) -> bool:
+    """What the API server's schema check says (OpenAPI v3: boolean exclusive bounds, as in
+    JSON Schema draft 4)."""
+    body = {"spec": {"poolRefs": [{"name": "p"}], **spec}}
+    return not jsonschema.Draft4Validator(POLICY_SCHEMA).is_valid(body)
+
+
+@pytest.mark.parametrize("target", [2.5, 0.25, 1, 40])
+def test_a_fractional_floor_is_accepted_and_pushed_as_given(target: float) -> None:
+    assert not crd_refuses({"targetTpsPerSession": target})
+    ep = engine_policy(policy("x", targetTpsPerSession=target).spec)
+    assert ep.target_tps_per_session == target
+
+
+@pytest.mark.parametrize("target", [0, 0.0, -1, -0.5, "fast", "2.5", True, None, [3]])
+def test_a_floor_at_or_below_zero_or_not_a_number_is_refused(target: Any) -> None:
+    assert crd_refuses({"targetTpsPerSession": target})
+    with pytest.raises(ValidationError):
+        AdmissionPolicySpec.model_validate(
+            {"poolRefs": [{"name": "p"}], "targetTpsPerSession": target}, strict=True
+        )
+
+
+def test_the_floor_is_required() -> None:
+    assert crd_refuses({})

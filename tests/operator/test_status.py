@@ -104,7 +104,7 @@ def test_waiting_for_the_parent_and_for_the_engine() -> None:
 def test_engine_full_stalls_with_a_fix() -> None:
     st = state_with({"a": engine_with()}, {"uid-root": RENDER})
     st.create_errors["uid-root"] = {
-        "a": CreateError("no free pool sequence id: all 8 reserved are in use", capacity=True)
+        "a": CreateError("no free pool sequence id: all 8 reserved are in use", "seq_ids_exhausted")
     }
     v = pool_verdict(ROOT, ctx([ROOT], {"eng": st}))
     assert v.reason == "EngineFull" and "maxPools" in v.message

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..kubeapi import Obj
-from ..procs import signal_group
+from ..procs import ProcessLedger, signal_group
 from . import probes
 from .images import UnknownImage
 from .podenv import ConfigError
@@ -55,8 +55,10 @@ class ContainerRunner:
         log_dir: Path,
         emit: Emit,
         grace_s: float = 30.0,
+        ledger: ProcessLedger | None = None,
     ) -> None:
         self.spec = spec
+        self.ledger = ledger
         self.grace_s = grace_s
         self.name: str = spec["name"]
         self.restart_policy = restart_policy
@@ -166,6 +168,8 @@ class ContainerRunner:
             self.waiting = (reason, str(exc))
             self.next_start_at = now + 5.0
             return
+        if self.ledger is not None:
+            self.ledger.add(self.proc.pid, f"container {self.name}")
         self.image_id, self.env = launch.image_id, launch.env
         self.started_at, self.started_mono = now_iso(), now
         self.waiting, self.terminated = None, None
@@ -199,6 +203,9 @@ class ContainerRunner:
         if self.kill_reason:
             term["message"] = self.kill_reason
         log.info("container exited name=%s pid=%s exit=%d", self.name, self.pid, exit_code)
+        if self.ledger is not None and self.pid is not None:
+            signal_group(self.pid, signal.SIGKILL)  # whatever it left in its group
+            self.ledger.remove(self.pid)
         self.proc, self.kill_at, self.kill_reason = None, None, ""
         self.terminated = term
         if now - self.started_mono >= BACKOFF_RESET_S:
@@ -260,6 +267,8 @@ class ContainerRunner:
         if self.proc is not None:
             signal_group(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+            if self.ledger is not None:
+                self.ledger.remove(self.proc.pid)
 
     # -- status ----------------------------------------------------------------------
 

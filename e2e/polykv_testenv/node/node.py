@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..kubeapi import MERGE_PATCH, ApiError, Credentials, Gone, Kube, Obj
 from ..lifecycle import StartStop
+from ..procs import ProcessLedger
 from ..waiting import wait_for
 from .addresses import AddressPool
 from .container import now_iso
@@ -47,6 +48,7 @@ class ProcessNode(StartStop):
         ip_prefix: str = "127.0.0",
         images: ImageTable | None = None,
         capacity: dict[str, str] | None = None,
+        ledger: ProcessLedger | None = None,
     ) -> None:
         self.name = name
         self.host_ip = host_ip
@@ -65,6 +67,7 @@ class ProcessNode(StartStop):
             pods_dir=self.state_dir / "pods",
             claims_dir=self.state_dir / "claims",
             apiserver_port=port,
+            ledger=ledger,
         )
         self.runners: dict[str, PodRunner] = {}
         self._lock = threading.Lock()

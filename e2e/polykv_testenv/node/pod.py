@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..kubeapi import STRATEGIC_PATCH, ApiError, Kube, Obj, pod_path
+from ..procs import ProcessLedger
 from . import images as img
 from . import serviceaccount
 from .addresses import AddressPool
@@ -40,6 +41,7 @@ class NodeContext:
     pods_dir: Path
     claims_dir: Path
     apiserver_port: int
+    ledger: ProcessLedger | None = None  # where container processes are recorded, if anywhere
 
 
 class PodRunner:
@@ -191,6 +193,7 @@ class PodRunner:
             self.dir / "logs" / container["name"],
             lambda kind, reason, msg: self._emit(kind, reason, msg, container["name"]),
             grace_s=self.grace_s,
+            ledger=self.ctx.ledger,
         )
 
     def _launch(self, container: Obj) -> Launch:

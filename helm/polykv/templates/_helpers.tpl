@@ -91,3 +91,8 @@ tolerations:
 {{- range .Values.engines }}{{ $out = append $out (default $.Release.Namespace .namespace) }}{{ end -}}
 {{- $out | uniq | toJson -}}
 {{- end -}}
+
+{{/* The Service the external.metrics.k8s.io APIService routes to. */}}
+{{- define "polykv.externalMetricsService" -}}
+{{- printf "%s-external-metrics" (include "polykv.operatorName" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}

@@ -27,8 +27,9 @@ class AdmissionPolicySpec(KubeModel):
     """Selects PolyKVPools in this namespace by their labels."""
     pool_refs: list[LocalObjectReference] | None = Field(None, min_length=1)
     """Or names PolyKVPools in this namespace."""
-    target_tps_per_session: int = Field(ge=1)
-    """The floor: mean experienced decode tokens/s a session should keep."""
+    target_tps_per_session: float = Field(gt=0, allow_inf_nan=False)
+    """The floor: mean experienced decode tokens/s a session should keep (any number above
+    0; fractions such as 2.5 are fine)."""
     mode: Literal["advisory", "enforced"] = "advisory"
     """advisory reports capacity only; enforced gates new sessions on the engine."""
     on_saturation: Literal["reject", "warn", "queue"] = "reject"

@@ -10,6 +10,19 @@ from .meta import CONDITIONS_SCHEMA_EXTRA, Condition, KubeModel, SecretKeySelect
 
 DEFAULT_IMAGE = "polykv/engine:0.1.0"
 DEFAULT_ROUTER_IMAGE = "polykv/router:0.1.0"
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: slots + pools (+1 for the KV debug probe)
+
+SPEC_RULES = [
+    {
+        "rule": f"self.parallel + self.maxPools + 1 <= {MAX_SEQUENCES}",
+        "message": f"parallel + maxPools + 1 must be at most {MAX_SEQUENCES}: llama.cpp has "
+        f"{MAX_SEQUENCES} sequence ids, one per slot, one per resident pool and one spare; an "
+        "engine asked for more would not start. Lower maxPools (cold pools are evicted and "
+        "re-materialized on use) or parallel",
+        "reason": "FieldValueInvalid",
+        "fieldPath": ".maxPools",
+    }
+]
 
 
 class ModelInit(KubeModel):
@@ -73,8 +86,10 @@ class PolyKVEngineSpec(KubeModel):
     """Decoding slots per replica: concurrent sessions (-np)."""
     context_size: int = Field(8192, ge=256)
     """KV cache size in tokens (-c)."""
-    max_pools: int = Field(16, ge=1, le=1024)
-    """Sequence ids reserved for pools (--polykv-max-pools)."""
+    max_pools: int = Field(16, ge=1, le=MAX_SEQUENCES - 2)
+    """Sequence ids reserved for pools (--polykv-max-pools). llama.cpp has at most 256
+    sequence ids: parallel + maxPools + 1 must not exceed 256. A tree with more pools than
+    this still fits: cold pools are evicted (kept by name) and re-materialized on use."""
     threads: int | None = Field(None, ge=1)
     """CPU threads for decoding (-t); absent: all cores."""
     port: int = Field(8080, ge=1, le=65535)
@@ -117,6 +132,14 @@ class ReplicaStatus(KubeModel):
     """Sessions attached to pools."""
     mean_active_tps: float | None = None
     """Mean experienced decode tokens/s of this replica's decoding sessions."""
+    pools_evicted: int | None = None
+    """Declared pools evicted to fit maxPools: kept by name, re-materialized on first use."""
+    unmanaged_pools: int | None = None
+    """Pools on the replica that no PolyKVPool declares (made by agents through the engine
+    API)."""
+    orphaned_pins: list[str] | None = None
+    """Undeclared pools pinned with no sessions and no children: KV nobody will release
+    (a name, or #pool_id for an unnamed one)."""
     message: str | None = None
     """Why the replica is not in service, when it is not."""
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from . import admission, pool
+from . import admission, engine, pool
 from .admission import AdmissionPolicySpec, AdmissionPolicyStatus
 from .engine import PolyKVEngineSpec, PolyKVEngineStatus
 from .meta import GROUP
@@ -62,6 +62,7 @@ ENGINE = Kind(
         _ready_column(),
         AGE,
     ),
+    spec_rules=tuple(engine.SPEC_RULES),
     scale={
         "specReplicasPath": ".spec.replicas",
         "statusReplicasPath": ".status.replicas",
@@ -103,7 +104,7 @@ ADMISSION = Kind(
     spec=AdmissionPolicySpec,
     status=AdmissionPolicyStatus,
     columns=(
-        {"name": "Target", "type": "integer", "jsonPath": ".spec.targetTpsPerSession"},
+        {"name": "Target", "type": "number", "jsonPath": ".spec.targetTpsPerSession"},
         {"name": "Mode", "type": "string", "jsonPath": ".spec.mode"},
         {"name": "Pools", "type": "integer", "jsonPath": ".status.appliedPools"},
         _ready_column(),

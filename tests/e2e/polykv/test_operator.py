@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,16 +106,20 @@ class Operator:
         self.runs: list[OperatorProcess] = []
         self.metrics_port = free_port()
 
-    def start(self, **extra: str) -> Operator:
+    def start(
+        self, kubeconfig: Path | None = None, peering: str | None = None, **extra: str
+    ) -> Operator:
         env = {
-            "KUBECONFIG": str(self.kubeconfig),
+            "KUBECONFIG": str(kubeconfig or self.kubeconfig),
             "POLYKV_OPERATOR_MASTER_KEY": MASTER,
             "POLYKV_OPERATOR_POLL_INTERVAL": "0.5",
             "POLYKV_OPERATOR_METRICS_PORT": str(self.metrics_port),
             **extra,
         }
         log = self.logs / f"operator-{len(self.runs)}.log"
-        proc = OperatorProcess(self.cluster, "polykv_operator.main", self.namespace, log, env)
+        proc = OperatorProcess(
+            self.cluster, "polykv_operator.main", self.namespace, log, env, peering=peering
+        )
         proc.start()
         self.runs.append(proc)
         return self
@@ -125,8 +130,55 @@ class Operator:
     def stop(self) -> None:
         self.runs[-1].stop()
 
+    def stop_all(self) -> None:
+        """Every run this test started, whatever state it is in (a no-op for dead ones)."""
+        for run in self.runs:
+            run.stop()
+
+    def alive(self) -> bool:
+        return self.runs[-1].proc.alive()
+
     def log(self) -> str:
         return "".join(r.log() for r in self.runs)
+
+
+@contextmanager
+def operator_running(
+    k8s_cluster: ControlPlane,
+    namespace: str,
+    operator_kubeconfig: Path,
+    tmp_path: Path,
+    **env: str,
+) -> Iterator[Operator]:
+    """The operator on `namespace` (restricted Pod Security), with `env` added to its own;
+    on the way out every CR of the namespace is deleted while it still runs, and it is
+    stopped, pass or fail. A "forbidden" in its log fails the test."""
+    k8s_cluster.kubectl(
+        "label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted"
+    )
+    op = Operator(k8s_cluster, namespace, operator_kubeconfig, tmp_path).start(**env)
+    try:
+        yield op
+        assert not re.search(r"forbidden", op.log(), re.IGNORECASE), forbidden_lines(op.log())
+    finally:
+        try:
+            # Leave nothing behind for the namespace controller to wait on: pools release
+            # through their finalizer while the operator still runs.
+            if not op.alive():
+                op.start(**env)
+            k8s_cluster.kubectl(
+                "delete",
+                "polykvpools,admissionpolicies,polykvengines",
+                "--all",
+                "-n",
+                namespace,
+                "--timeout=60s",
+                check=False,
+                timeout_s=90,  # past kubectl's own timeout, so kubectl reports it, not us
+            )
+        finally:
+            op.stop_all()  # pass, fail or a teardown that timed out: no operator outlives it
+            print(f"operator logs: {tmp_path}")
 
 
 @pytest.fixture
@@ -137,30 +189,8 @@ def operator(
     operator_kubeconfig: Path,
     tmp_path: Path,
 ) -> Iterator[Operator]:
-    k8s_cluster.kubectl(
-        "label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted"
-    )
-    op = Operator(k8s_cluster, namespace, operator_kubeconfig, tmp_path).start()
-    try:
+    with operator_running(k8s_cluster, namespace, operator_kubeconfig, tmp_path) as op:
         yield op
-        assert not re.search(r"forbidden", op.log(), re.IGNORECASE), forbidden_lines(op.log())
-    finally:
-        # Leave nothing behind for the namespace controller to wait on: pools release
-        # through their finalizer while the operator still runs.
-        if not op.runs[-1].proc.alive():
-            op.start()
-        k8s_cluster.kubectl(
-            "delete",
-            "polykvpools,admissionpolicies,polykvengines",
-            "--all",
-            "-n",
-            namespace,
-            "--timeout=60s",
-            check=False,
-            timeout_s=90,  # past kubectl's own timeout, so kubectl reports it, not us
-        )
-        op.stop()
-        print(f"operator logs: {tmp_path}")
 
 
 def forbidden_lines(text: str) -> str:

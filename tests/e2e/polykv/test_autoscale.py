@@ -1,0 +1,576 @@
+"""Autoscaling a PolyKVEngine with the real HPA controller of kube-controller-manager (sync
+period 5 s) through the operator's own external.metrics.k8s.io API.
+
+The operator runs as in test_operator.py (its ServiceAccount, rbac.yaml, plus the provider's
+external-metrics-rbac.yaml) with the external metrics API on 127.0.0.1: an ExternalName
+Service points the APIService at it, and the aggregator proxies to it over TLS with the
+front-proxy client certificate. The APIService is removed before the operator stops (a
+registered API without a backend holds up namespace deletion for the whole cluster).
+
+Engines run the generated test model; load is real turns on real engine processes.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import pytest
+
+from polykv_operator.autoscale.apiservice import desired
+from polykv_testenv import ApiError, ControlPlane, ProcessNode, pki
+from polykv_testenv.waiting import free_port
+
+from ..helpers import Obj, condition, eventually, get_or_none
+from .test_operator import (
+    ROOT,
+    EngineApi,
+    Operator,
+    PodWatch,
+    apply,
+    engine_manifest,
+    get,
+    is_pod,
+    operator_running,
+    pool_manifest,
+    replicas,
+)
+
+pytestmark = pytest.mark.k8s
+
+APISERVICE = "/apis/apiregistration.k8s.io/v1/apiservices/v1beta1.external.metrics.k8s.io"
+CREW = "You are the research crew. Answer every task at length."
+SERVICE = "polykv-metrics"
+API = "polykv.io/v1alpha1"
+
+
+@dataclass
+class Provider:
+    op: Operator
+    namespace: str
+    json_port: int
+    tls_port: int
+
+
+@pytest.fixture
+def provider(
+    k8s_cluster: ControlPlane,
+    process_node: ProcessNode,
+    namespace: str,
+    operator_kubeconfig: Path,
+    tmp_path: Path,
+) -> Iterator[Provider]:
+    k8s_cluster.kubectl(
+        "apply", "-f", str(ROOT / "operator" / "deploy" / "external-metrics-rbac.yaml")
+    )
+    ca = pki.authority(tmp_path, "metrics")
+    cert, key = pki.leaf(ca, tmp_path, "metrics", SERVICE, (f"{SERVICE}.{namespace}.svc",))
+    json_port, tls_port = free_port(), free_port()
+    env = {
+        "POLYKV_OPERATOR_METRICS_ADDRESS": "127.0.0.1",
+        "POLYKV_OPERATOR_AUTOSCALE_PORT": str(json_port),
+        "POLYKV_OPERATOR_EXTERNAL_METRICS_PORT": str(tls_port),
+        "POLYKV_OPERATOR_EXTERNAL_METRICS_CERT": str(cert),
+        "POLYKV_OPERATOR_EXTERNAL_METRICS_KEY": str(key),
+        "POLYKV_OPERATOR_EXTERNAL_METRICS_SERVICE": f"{namespace}/{SERVICE}",
+    }
+    with operator_running(k8s_cluster, namespace, operator_kubeconfig, tmp_path, **env) as op:
+        # Endpoints cannot hold loopback addresses; the aggregator resolves an ExternalName
+        # Service to https://<externalName>:<the APIService's port>.
+        svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": SERVICE}}
+        svc["spec"] = {"type": "ExternalName", "externalName": "127.0.0.1"}
+        k8s_cluster.apply(svc, namespace)
+        k8s_cluster.apply(desired(namespace, SERVICE, tls_port, ca.cert.read_bytes()))
+        try:
+            yield Provider(op, namespace, json_port, tls_port)
+        finally:
+            k8s_cluster.kubectl("delete", "hpa", "--all", "-n", namespace, check=False)
+            k8s_cluster.kubectl(
+                "delete", "apiservice", "v1beta1.external.metrics.k8s.io", "--wait=true",
+                check=False, timeout_s=90,
+            )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def raw(cluster: ControlPlane, metric: str, namespace: str, selector: str) -> Any:
+    """`kubectl get --raw` of one external metric, parsed; a failure raises with its text."""
+    path = (
+        f"/apis/external.metrics.k8s.io/v1beta1/namespaces/{namespace}/{metric}"
+        f"?labelSelector={quote(selector, safe='')}"
+    )
+    out = cluster.kubectl("get", "--raw", path, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr.strip())
+    return json.loads(out.stdout)
+
+
+def value_of(cluster: ControlPlane, metric: str, namespace: str, engine: str = "eng") -> float:
+    doc = raw(cluster, metric, namespace, f"polykv.io/engine={engine}")
+    (item,) = doc["items"]
+    text = item["value"]
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def value_or_none(cluster: ControlPlane, metric: str, namespace: str) -> float | None:
+    try:
+        return value_of(cluster, metric, namespace)
+    except RuntimeError:
+        return None
+
+
+def available(cluster: ControlPlane) -> Obj | None:
+    obj = get_or_none(cluster.api, APISERVICE)
+    return obj if obj is not None and condition(obj, "Available") == "True" else None
+
+
+def autoscaled_engine(parallel: int) -> Obj:
+    engine = engine_manifest(replicas=1)
+    engine["spec"]["parallel"] = parallel
+    return engine
+
+
+def policy_manifest(target: Any, mode: str = "advisory") -> Obj:
+    return {
+        "apiVersion": "polykv.io/v1alpha1",
+        "kind": "AdmissionPolicy",
+        "metadata": {"name": "floor"},
+        "spec": {"poolRefs": [{"name": "crew"}], "targetTpsPerSession": target, "mode": mode},
+    }
+
+
+def hpa_manifest(max_replicas: int = 2, down_window_s: int = 15) -> Obj:
+    """Both metrics with the targets the chart uses; a short scale-down window for the test
+    (the chart's default is minutes)."""
+    selector = {"matchLabels": {"polykv.io/engine": "eng"}}
+
+    def metric(name: str, target: str) -> Obj:
+        return {
+            "type": "External",
+            "external": {
+                "metric": {"name": name, "selector": selector},
+                "target": {"type": "Value", "value": target},
+            },
+        }
+
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "eng"},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": API, "kind": "PolyKVEngine", "name": "eng"},
+            "minReplicas": 1,
+            "maxReplicas": max_replicas,
+            "metrics": [
+                metric("polykv_floor_pressure", "800m"),
+                metric("polykv_session_demand_ratio", "850m"),
+            ],
+            "behavior": {
+                "scaleUp": {
+                    "stabilizationWindowSeconds": 0,
+                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 15}],
+                },
+                "scaleDown": {
+                    "stabilizationWindowSeconds": down_window_s,
+                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 15}],
+                },
+            },
+        },
+    }  # fmt: skip
+
+
+def spec_replicas(cluster: ControlPlane, namespace: str) -> int:
+    return int(get(cluster, namespace, "polykvengines", "eng")["spec"]["replicas"])
+
+
+def hpa_says(cluster: ControlPlane, namespace: str) -> str:
+    path = f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers/eng"
+    hpa = get_or_none(cluster.api, path)
+    if hpa is None:
+        return "no HPA"
+    st = hpa.get("status") or {}
+    conds = "; ".join(
+        f"{c['type']}={c['status']} {c.get('message', '')}" for c in st.get("conditions") or []
+    )
+    return f"current={st.get('currentReplicas')} desired={st.get('desiredReplicas')} {conds}"
+
+
+def until(cluster: ControlPlane, namespace: str, what: str, probe: Any, timeout_s: float) -> Any:
+    """`eventually`, with the HPA's own account when it does not happen."""
+    try:
+        return eventually(what, probe, timeout_s)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\nHPA: {hpa_says(cluster, namespace)}") from exc
+
+
+def ready(cluster: ControlPlane, namespace: str) -> bool | None:
+    return (
+        True
+        if condition(get(cluster, namespace, "polykvengines", "eng"), "Ready") == "True"
+        else None
+    )
+
+
+@dataclass
+class Turn:
+    start: float
+    end: float
+    outcome: str  # done | stopped | cut | refused <status> | unreachable
+    tokens: int = 0
+
+
+@dataclass
+class Turns:
+    """Back-to-back streamed turns of one session on one replica, in a thread, until
+    stopped (a turn in flight is abandoned: "stopped") or until the replica refuses or is
+    gone."""
+
+    ip: str
+    session: str
+    pool: str | None
+    n_predict: int = 160
+    turns: list[Turn] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> Turns:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(60)
+
+    def finished(self) -> bool | None:
+        return True if self._thread is not None and not self._thread.is_alive() else None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            turn = self.one()
+            self.turns.append(turn)
+            if turn.outcome != "done":
+                return
+
+    def one(self) -> Turn:
+        prompt = (CREW if self.pool else "Free text.") + f" Task {len(self.turns)}:"
+        body: Obj = {"prompt": prompt, "n_predict": self.n_predict, "ignore_eos": True,
+                     "temperature": 0, "stream": True}  # fmt: skip
+        if self.pool:
+            body["pool_id"] = self.pool
+        headers = {"x-session-id": self.session}
+        t0, n, final = time.time(), 0, None
+        try:
+            with httpx.stream("POST", f"http://{self.ip}:8080/completion", json=body,
+                              headers=headers, timeout=60) as r:  # fmt: skip
+                if r.status_code != 200:
+                    return Turn(t0, time.time(), f"refused {r.status_code}")
+                for line in r.iter_lines():
+                    if self._stop.is_set():
+                        return Turn(t0, time.time(), "stopped", n)
+                    if not line.startswith("data: "):
+                        continue
+                    ev = json.loads(line[6:])
+                    if ev.get("stop"):
+                        final = ev
+                    else:
+                        n += 1
+        except httpx.ConnectError:
+            return Turn(t0, time.time(), "unreachable")
+        except httpx.HTTPError:
+            return Turn(t0, time.time(), "cut", n)
+        done = final is not None and final.get("tokens_predicted") == self.n_predict
+        return Turn(t0, time.time(), "done" if done else "cut", n)
+
+
+def measured_tps(eng: EngineApi, ip: str) -> float:
+    """The pool's mean experienced tps on one replica, as its engine reports it (median of
+    a few polls while the load decodes)."""
+    seen: list[float] = []
+
+    def sample() -> bool | None:
+        pool = eng.pools(ip)["crew"]
+        if pool.n_active > 0:
+            seen.append(pool.mean_active_tps)
+        time.sleep(0.5)
+        return True if len(seen) >= 5 else None
+
+    eventually("5 measured samples", sample, 90)
+    return statistics.median(seen)
+
+
+def pod_costs(cluster: ControlPlane, namespace: str) -> dict[str, str]:
+    pods = cluster.api.get(
+        f"/api/v1/namespaces/{namespace}/pods", labelSelector="polykv.io/engine=eng"
+    )
+    return {
+        p["metadata"]["name"]: (p["metadata"].get("annotations") or {}).get(
+            "controller.kubernetes.io/pod-deletion-cost", ""
+        )
+        for p in pods["items"]
+        if not p["metadata"].get("deletionTimestamp")
+    }
+
+
+# ------------------------------------------------------------------------------- tests
+
+
+def test_the_external_metrics_api_serves_one_item_per_engine(
+    k8s_cluster: ControlPlane, provider: Provider
+) -> None:
+    ns = provider.namespace
+    apply(k8s_cluster, ns, autoscaled_engine(2), pool_manifest("crew", text=CREW),
+          policy_manifest(2.5))  # fmt: skip
+    eventually("APIService Available", lambda: available(k8s_cluster), 90)
+    eventually(
+        "idle engine's floor pressure",
+        lambda: v if (v := value_or_none(k8s_cluster, "polykv_floor_pressure", ns)) == 0 else None,
+        120,
+    )
+    doc = raw(k8s_cluster, "polykv_session_demand_ratio", ns, "polykv.io/engine=eng")
+    assert doc["kind"] == "ExternalMetricValueList" and len(doc["items"]) == 1, doc
+    assert doc["items"][0]["metricLabels"] == {"polykv.io/engine": "eng"}
+    assert doc["items"][0]["value"] == "0"
+    # Rejections, through the aggregator: the API server hands our Status back.
+    for metric, selector, text in [
+        ("polykv_floor_pressure", "app=eng", "select one engine"),
+        ("polykv_floor_pressure", "polykv.io/engine=nope", "has not polled"),
+        ("cpu", "polykv.io/engine=eng", "no external metric"),
+    ]:
+        with pytest.raises(RuntimeError, match=text):
+            raw(k8s_cluster, metric, ns, selector)
+    # KEDA's JSON and the Prometheus gauges carry the same figures.
+    body = httpx.get(f"http://127.0.0.1:{provider.json_port}/polykv/autoscale/{ns}/eng").json()
+    assert body["floor_pressure"] == 0 and body["stale"] is False, body
+    assert body["pools"]["crew"]["floor"] == 2.5  # a fractional floor, pushed as given
+    scraped = httpx.get(f"http://127.0.0.1:{provider.op.metrics_port}/metrics").text
+    assert f'polykv_engine_floor_pressure{{engine="eng",namespace="{ns}"}} 0.0' in scraped
+    assert f'polykv_engine_session_demand_ratio{{engine="eng",namespace="{ns}"}} 0.0' in scraped
+    # Each pod's deletion cost: the sessions it holds (none yet).
+    costs = eventually("deletion cost", lambda: c if (c := pod_costs(k8s_cluster, ns)) else None)
+    assert list(costs.values()) == ["0"], costs
+    # The API server refuses a floor at or below 0, or not a number; 2.5 went in above.
+    for bad in (0, -1, "fast"):
+        out = k8s_cluster.kubectl(
+            "apply", "--dry-run=server", "-n", ns, "-f", "-",
+            input=json.dumps(policy_manifest(bad)), check=False,
+        )  # fmt: skip
+        assert out.returncode != 0 and "targetTpsPerSession" in out.stderr, (bad, out.stderr)
+
+
+@pytest.mark.slow
+def test_floor_pressure_scales_up_and_scale_down_removes_the_emptiest_replica_whole(
+    k8s_cluster: ControlPlane, provider: Provider
+) -> None:
+    """Figures: time from load to the HPA's scale-up and to the new replica's Ready (only
+    once its pool is on it); the scale-down takes the replica holding fewer sessions, and the
+    turn running on it when it is deleted finishes."""
+    ns = provider.namespace
+    # A floor no session reaches on this CPU: any decoding session is under it.
+    apply(k8s_cluster, ns, autoscaled_engine(4), pool_manifest("crew", text=CREW),
+          policy_manifest(1e6))  # fmt: skip
+    eventually("APIService Available", lambda: available(k8s_cluster), 90)
+    eventually("engine Ready", lambda: ready(k8s_cluster, ns), 120)
+    (a,) = replicas(k8s_cluster, ns)
+    eng = EngineApi(k8s_cluster, ns)
+    apply(k8s_cluster, ns, hpa_manifest())
+    watch = PodWatch(k8s_cluster, ns)
+    load = [Turns(a.ip, f"agent-{i}", "crew").start() for i in range(3)]
+    t_load = time.time()
+    try:
+        high = until(
+            k8s_cluster, ns, "floor pressure over its target",
+            lambda: p if (p := value_or_none(k8s_cluster, "polykv_floor_pressure", ns)) else None,
+            60,
+        )  # fmt: skip
+        until(k8s_cluster, ns, "HPA scales the engine to 2",
+              lambda: spec_replicas(k8s_cluster, ns) == 2 or None, 120)  # fmt: skip
+        t_scaled = time.time()
+        both = eventually(
+            "2 replicas", lambda: r if len(r := replicas(k8s_cluster, ns)) == 2 else None, 60
+        )
+        b = next(r for r in both if r.uid != a.uid)
+        ready_at = eventually(
+            "new replica Ready",
+            lambda: watch.first(lambda o: is_pod(b.uid)(o) and condition(o, "Ready") == "True"),
+            120,
+        )
+        assert eng.pools(b.ip)["crew"].created_ts < ready_at  # Ready only with its pool on it
+    finally:
+        for t in load:
+            t.stop()
+    assert high > 0.8
+    assert all(t.outcome in ("done", "stopped") for w in load for t in w.turns), [
+        w.turns for w in load
+    ]
+    print(
+        f"\nautoscale figures: floor pressure {high:.0f}; load -> HPA scale-up "
+        f"{t_scaled - t_load:.1f} s; load -> new replica Ready {ready_at - t_load:.1f} s"
+    )
+
+    # The load is gone. Replica a holds the three agents' sessions; b gets one session that
+    # runs turns back to back (unpooled: no floor) until b is removed.
+    drain = Turns(b.ip, "drain-check", None, n_predict=1200).start()
+    try:
+        costs = until(
+            k8s_cluster, ns, "deletion costs a=3, b=1",
+            lambda: c if (c := pod_costs(k8s_cluster, ns)) == {a.pod: "3", b.pod: "1"} else None,
+            60,
+        )  # fmt: skip
+        t_idle = time.time()
+        until(k8s_cluster, ns, "HPA scales the engine back to 1",
+              lambda: spec_replicas(k8s_cluster, ns) == 1 or None, 180)  # fmt: skip
+        t_down = time.time()
+        deleted_at = eventually(
+            "a replica deleted",
+            lambda: watch.first(lambda o: bool(o["metadata"].get("deletionTimestamp"))),
+            60,
+        )
+        eventually("the drain session's turns end", drain.finished, 120)
+    finally:
+        drain.stop()
+        watch.stop()
+    assert [r.uid for r in replicas(k8s_cluster, ns)] == [a.uid], costs  # the emptiest went
+    outcomes = [t.outcome for t in drain.turns]
+    assert "cut" not in outcomes and "stopped" not in outcomes, drain.turns
+    # The turn running when b was deleted finished whole; the next one found b gone.
+    assert any(t.start < deleted_at < t.end and t.outcome == "done" for t in drain.turns), (
+        deleted_at,
+        drain.turns,
+    )
+    assert outcomes[-1] != "done", drain.turns
+    print(f"autoscale figures: idle -> HPA scale-down {t_down - t_idle:.1f} s (window 15 s)")
+
+
+@pytest.mark.slow
+def test_refused_sessions_scale_up_while_floor_pressure_stays_at_most_one(
+    k8s_cluster: ControlPlane, provider: Provider
+) -> None:
+    """An enforced gate refuses new sessions, so the demand it turns away never shows in the
+    floor pressure (at most 1 here); the demand ratio counts the refused and scales.
+
+    The refusals come from the gate's KV-headroom arm: one agent runs turns that fill the
+    context, and while it holds more than half of it a newcomer does not fit (decided by
+    cells, not by speed, so the test does not depend on this shared CPU's pace). The floor
+    is set at a tenth of the measured mean: the gate holds it with room to spare."""
+    ns = provider.namespace
+    apply(k8s_cluster, ns, autoscaled_engine(2), pool_manifest("crew", text=CREW))
+    eventually("APIService Available", lambda: available(k8s_cluster), 90)
+    eventually("engine Ready", lambda: ready(k8s_cluster, ns), 120)
+    (a,) = replicas(k8s_cluster, ns)
+    eng = EngineApi(k8s_cluster, ns)
+    steady = Turns(a.ip, "steady", "crew", n_predict=1900).start()
+    pressures: list[float] = []
+    ratios: list[float] = []
+    statuses: list[int] = []
+    reasons: set[str] = set()
+    try:
+        tps = measured_tps(eng, a.ip)
+        floor = round(0.1 * tps, 1)
+        apply(k8s_cluster, ns, policy_manifest(floor, mode="enforced"))
+
+        def enforced() -> bool | None:
+            policy = eng.pools(a.ip)["crew"].admission
+            return True if policy is not None and policy.mode == "enforced" else None
+
+        eventually("policy on the replica", enforced, 60)
+        apply(k8s_cluster, ns, hpa_manifest())
+        signal = f"http://127.0.0.1:{provider.json_port}/polykv/autoscale/{ns}/eng"
+        knocks = iter(range(10**6))
+
+        def knock() -> bool | None:
+            for _ in range(4):  # new agents ask to join, each once
+                r = httpx.post(
+                    f"http://{a.ip}:8080/completion",
+                    json={"prompt": CREW + " Join.", "pool_id": "crew", "n_predict": 4},
+                    headers={"x-session-id": f"newcomer-{next(knocks)}"},
+                    timeout=30,
+                )
+                statuses.append(r.status_code)
+                if r.status_code == 429:
+                    reasons.add(r.json()["error"]["reason"])
+            # What the HPA reads through the aggregator, from the same source (cheaper to
+            # read here than with kubectl, whose start-up would slow the engine down).
+            body = httpx.get(signal, timeout=10).json()
+            if not body["stale"]:
+                pressures.append(body["floor_pressure"])
+                ratios.append(body["session_demand_ratio"])
+            time.sleep(0.5)
+            return spec_replicas(k8s_cluster, ns) == 2 or None
+
+        until(k8s_cluster, ns, "HPA scales on refused demand", knock, 180)
+        seen = value_of(k8s_cluster, "polykv_session_demand_ratio", ns)  # via the aggregator
+    finally:
+        steady.stop()
+    assert all(t.outcome in ("done", "stopped") for t in steady.turns), steady.turns
+    assert statuses.count(429) > 0 and reasons <= {"kv_headroom", "tps_floor"}, (statuses, reasons)
+    assert max(ratios) > 0.85 and seen > 0.85, (ratios, seen)
+    assert pressures and max(pressures) <= 1.0, (floor, tps, pressures)
+    print(
+        f"\nautoscale figures: floor {floor} tps (0.1 x measured {tps:.1f}); floor pressure "
+        f"max {max(pressures):.2f}; demand ratio max {max(ratios):.2f}; "
+        f"{statuses.count(429)} of {len(statuses)} newcomers refused ({sorted(reasons)})"
+    )
+
+
+def test_the_api_is_not_served_next_to_another_provider(
+    k8s_cluster: ControlPlane,
+    process_node: ProcessNode,
+    namespace: str,
+    operator_kubeconfig: Path,
+    tmp_path: Path,
+) -> None:
+    """Another provider's APIService in the cluster: the operator does not serve (and does
+    not touch it), and the chart refuses to install the provider."""
+    k8s_cluster.kubectl(
+        "apply", "-f", str(ROOT / "operator" / "deploy" / "external-metrics-rbac.yaml")
+    )
+    ca = pki.authority(tmp_path, "metrics")
+    cert, key = pki.leaf(ca, tmp_path, "metrics", SERVICE, (f"{SERVICE}.{namespace}.svc",))
+    foreign = desired("keda", "keda-operator-metrics-apiserver", 443, ca.cert.read_bytes())
+    foreign["metadata"]["labels"] = {}
+    k8s_cluster.apply(foreign)
+    tls_port = free_port()
+    env = {
+        "POLYKV_OPERATOR_METRICS_ADDRESS": "127.0.0.1",
+        "POLYKV_OPERATOR_EXTERNAL_METRICS_PORT": str(tls_port),
+        "POLYKV_OPERATOR_EXTERNAL_METRICS_CERT": str(cert),
+        "POLYKV_OPERATOR_EXTERNAL_METRICS_KEY": str(key),
+        "POLYKV_OPERATOR_EXTERNAL_METRICS_SERVICE": f"{namespace}/{SERVICE}",
+    }
+    try:
+        with operator_running(k8s_cluster, namespace, operator_kubeconfig, tmp_path, **env) as op:
+            eventually(
+                "the operator refuses",
+                lambda: True if "belongs to another provider" in op.log() else None,
+                60,
+            )
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"https://127.0.0.1:{tls_port}/healthz", verify=False, timeout=5)
+            after = k8s_cluster.api.get(APISERVICE)
+            assert after["spec"]["service"]["namespace"] == "keda"  # untouched
+        # Nor does the chart install it: it looks the APIService up and refuses.
+        out = k8s_cluster.helm(
+            "install", "scaler", str(ROOT / "helm" / "polykv"), "-n", namespace,
+            "--dry-run=server", "--set", "autoscaling.externalMetrics.enabled=true",
+            check=False,
+        )  # fmt: skip
+        assert out.returncode != 0, out.stdout[-2000:]
+        assert "another external metrics provider" in out.stderr, out.stderr
+        assert "keda/keda-operator-metrics-apiserver" in out.stderr, out.stderr
+    finally:
+        try:
+            k8s_cluster.api.delete(APISERVICE)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
