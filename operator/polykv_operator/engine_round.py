@@ -567,8 +567,12 @@ async def write_pool_statuses(
         fleet={e: s for e in view.engines if (s := fleet.peek(view.namespace, e)) is not None},
         selection=policies,
     )
+    key = stat.inputs_key(view.pools, view.engines, state, policies)
+    if key == state.statuses_key:
+        return 0  # nothing they depend on changed since every one of them was written
     limit = asyncio.Semaphore(WRITE_CONCURRENCY)
     written = 0
+    failed = False
 
     async def one(node: PoolNode, current: dict[str, Any], patch: dict[str, Any]) -> None:
         nonlocal written
@@ -576,6 +580,8 @@ async def write_pool_statuses(
             try:
                 await write_status(POOL.plural, node.name, patch)
             except Exception as exc:  # the next round tries again
+                nonlocal failed
+                failed = True
                 log.warning(
                     "pool status write failed ns=%s pool=%s: %s", node.namespace, node.name, exc
                 )
@@ -601,6 +607,7 @@ async def write_pool_statuses(
         if patch:
             jobs.append(one(node, current, patch))
     await asyncio.gather(*jobs)
+    state.statuses_key = None if failed else key
     return written
 
 

@@ -193,6 +193,7 @@ class EngineState:
     rounds: int = 0
     mean_active_tps: float | None = None
     unmanaged_pools: int = 0  # pools no PolyKVPool declares (agent-made), over the replicas
+    statuses_key: int | None = None  # the inputs its pools' statuses were last written from
     orphaned_pins: int = 0  # ... of which pinned with no sessions and no children
     # Serializes engine mutations: a round's creates against a delete handler's releases.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
