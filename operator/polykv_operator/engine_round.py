@@ -578,10 +578,11 @@ async def run_cycle(
     """One round, then the engine's status and its pools' statuses, each written only when
     it changed (and not again while the watch has not yet shown our last write)."""
     view = snap.view
-    patch = await run_round(view, state, http, write_gate, snap.generation, snap.status, write_cost)
-    if state.written.needs(snap.uid, snap.resource_version, patch):
+    current = state.written.current(snap.uid, snap.resource_version, snap.status)
+    patch = await run_round(view, state, http, write_gate, snap.generation, current, write_cost)
+    if patch:
         await write_status(ENGINE.plural, view.name, patch)
-        state.written.sent(snap.uid, snap.resource_version, patch)
+        state.written.sent(snap.uid, snap.resource_version, current, patch)
         crash_point("engine-status-written")
     await write_pool_statuses(view, state, fleet, write_status)
 
@@ -598,20 +599,26 @@ async def write_pool_statuses(
         fleet={e: s for e in view.engines if (s := fleet.peek(view.namespace, e)) is not None},
         selection=policies,
     )
+    key = stat.inputs_key(view.pools, view.engines, state, policies)
+    if key == state.statuses_key:
+        return 0  # nothing they depend on changed since every one of them was written
     limit = asyncio.Semaphore(WRITE_CONCURRENCY)
     written = 0
+    failed = False
 
-    async def one(node: PoolNode, patch: dict[str, Any]) -> None:
+    async def one(node: PoolNode, current: dict[str, Any], patch: dict[str, Any]) -> None:
         nonlocal written
         async with limit:
             try:
                 await write_status(POOL.plural, node.name, patch)
             except Exception as exc:  # the next round tries again
+                nonlocal failed
+                failed = True
                 log.warning(
                     "pool status write failed ns=%s pool=%s: %s", node.namespace, node.name, exc
                 )
                 return
-        state.written.sent(node.uid, node.resource_version, patch)
+        state.written.sent(node.uid, node.resource_version, current, patch)
         written += 1
         log.debug(
             "pool status written ns=%s pool=%s rv=%s fields=%s",
@@ -626,7 +633,8 @@ async def write_pool_statuses(
     for node in view.pools:
         if node.engine != view.name or node.deleting:
             continue
-        new = stat.pool_status(node, ctx, stat.previous_conditions(node.status))
+        current = state.written.current(node.uid, node.resource_version, node.status)
+        new = stat.pool_status(node, ctx, stat.previous_conditions(current))
         metrics.POOLS.record(
             metrics.PoolFigures(
                 node.namespace,
@@ -636,10 +644,11 @@ async def write_pool_statuses(
                 bool(new.orphaned_pin),
             )
         )
-        patch = stat.patch_for(node.status, new)
-        if state.written.needs(node.uid, node.resource_version, patch):
-            jobs.append(one(node, patch))
+        patch = stat.patch_for(current, new)
+        if patch:
+            jobs.append(one(node, current, patch))
     await asyncio.gather(*jobs)
+    state.statuses_key = None if failed else key
     return written
 
 

@@ -195,6 +195,7 @@ class EngineState:
     rounds: int = 0
     mean_active_tps: float | None = None
     unmanaged_pools: int = 0  # pools no PolyKVPool declares (agent-made), over the replicas
+    statuses_key: int | None = None  # the inputs its pools' statuses were last written from
     orphaned_pins: int = 0  # ... of which pinned with no sessions and no children
     # Serializes engine mutations: a round's creates against a delete handler's releases.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -220,22 +221,32 @@ class EngineState:
 
 
 class WriteMemo:
-    """Status patches sent per object, keyed by its uid, with the resourceVersion the object
-    had when they were sent. While the watch still shows that version, a patch equal to the
-    one sent is not sent again; once a newer version arrives (ours or anybody's), what the
-    object says is the reference again, so an overwrite by someone else is corrected."""
+    """The status each object has after our last write, keyed by uid, with the
+    resourceVersion the watch showed when we wrote. While the watch still shows that version
+    (it lags behind our writes, far behind when a thousand pools change at once), that status
+    is the object's: the next round diffs against it and writes nothing new. Once a newer
+    version arrives (ours or anybody's), what the object says is the reference again, so an
+    overwrite by someone else is corrected."""
 
     def __init__(self) -> None:
         self._sent: dict[str, tuple[str, dict[str, Any]]] = {}
 
-    def needs(self, uid: str, resource_version: str, patch: dict[str, Any]) -> bool:
-        if not patch:
-            return False
+    def current(
+        self, uid: str, resource_version: str, seen: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        """The object's status as far as we know: ours if the watch has not caught up."""
         sent = self._sent.get(uid)
-        return sent is None or sent[0] != resource_version or sent[1] != patch
+        if sent is not None and sent[0] == resource_version:
+            return sent[1]
+        self._sent.pop(uid, None)
+        return dict(seen or {})
 
-    def sent(self, uid: str, resource_version: str, patch: dict[str, Any]) -> None:
-        self._sent[uid] = (resource_version, patch)
+    def sent(
+        self, uid: str, resource_version: str, base: Mapping[str, Any], patch: dict[str, Any]
+    ) -> None:
+        """`patch` (a merge patch: None removes a field) was written over `base`."""
+        merged = {**base, **patch}
+        self._sent[uid] = (resource_version, {k: v for k, v in merged.items() if v is not None})
 
     def forget(self, uid: str) -> None:
         self._sent.pop(uid, None)

@@ -220,6 +220,54 @@ def _observed(st: PolyKVPoolStatus, name: str, serving: Sequence[Observation]) -
         )
 
 
+def inputs_key(
+    pools: Sequence[PoolNode], engines: Sequence[str], state: EngineState, selection: Selection
+) -> int:
+    """A fingerprint of everything the pool statuses of one engine are computed from: the
+    namespace's pools (their versions cover their current status), the engines, the policy
+    selection, and what the engine's last round saw. Equal keys: equal statuses, so an idle
+    tree costs no status computation at all."""
+    replicas = tuple(
+        (
+            name,
+            o.reachable,
+            o.error,
+            o.boot_id,
+            state.pods.get(name),
+            tuple(
+                (
+                    p.name,
+                    p.pool_id,
+                    p.prefix_hash,
+                    p.residency,
+                    p.orphaned_pin,
+                    len(p.sessions),
+                    p.own_kv_bytes,
+                    p.subtree_kv_bytes,
+                    p.n_active,
+                    p.active_tps_sum,
+                    None if (c := p.capacity) is None else tuple(c.model_dump().values()),
+                )
+                for p in (o.listing.pools if o.listing is not None else [])
+            ),
+        )
+        for name, o in sorted(state.replicas.items())
+    )
+    return hash(
+        (
+            tuple((n.uid, n.resource_version, n.deleting) for n in pools),
+            tuple(engines),
+            tuple(sorted((k, p.uid, p.generation) for k, p in selection.applied.items())),
+            tuple(sorted((k, tuple(v)) for k, v in selection.conflicts.items())),
+            replicas,
+            tuple(sorted(state.renders.items())),
+            tuple(sorted((u, tuple(sorted(e.items()))) for u, e in state.create_errors.items())),
+            tuple(sorted(state.pods.items())),
+            state.rounds > 0,
+        )
+    )
+
+
 # ------------------------------------------------------------------------------ engines
 
 

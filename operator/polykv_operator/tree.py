@@ -32,8 +32,10 @@ class PoolNode:
     generation: int = 1
     deleting: bool = False
     # The object's status and version as last seen (the engine loop diffs against them).
+    # The version takes part in equality: kopf keeps an index entry that compares equal to
+    # the new one, and a status-only change would otherwise never reach the index.
     status: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    resource_version: str = field(default="", compare=False)
+    resource_version: str = ""
 
     @property
     def engine(self) -> str:

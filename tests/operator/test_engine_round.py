@@ -337,3 +337,31 @@ def test_a_round_that_read_the_cluster_before_a_release_does_not_create_the_pool
     assert "branch" not in eng.pools
     h.run([p for p in pools if p.name != "branch"])  # the object is gone
     assert leaf.uid not in h.state.deleting
+
+
+def test_a_lagging_watch_gets_no_status_written_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index still shows the status from before our write (a thousand pools changed at
+    once): later rounds, seconds apart, write nothing for a pool whose verdict holds."""
+    from polykv_operator import conditions
+    from polykv_operator.engine_round import write_pool_statuses
+
+    h = Harness(1)
+    pools = [pool("root", text=ROOT), pool("other", text="Another root.")]
+    h.run(pools)
+    fleet = Fleet()
+    fleet.engines[(NS, "eng")] = h.state
+    writes: list[str] = []
+
+    async def write_status(plural: str, name: str, patch: dict[str, Any]) -> None:
+        writes.append(name)
+
+    view = ClusterView(NS, "eng", engine_spec(), list(h.pods.values()), pools, [], ["eng"])
+    for second in range(3):  # stale index: status {} and the same resourceVersion each time
+        monkeypatch.setattr(conditions, "now_rfc3339", lambda s=second: f"2026-01-01T00:00:0{s}Z")
+        asyncio.run(write_pool_statuses(view, h.state, fleet, write_status))
+    assert sorted(writes) == ["other", "root"]
+    # Someone else's write (a newer version, another status): corrected once.
+    pools[0] = replace(pools[0], status={"path": "elsewhere"}, resource_version="9")
+    view = replace(view, pools=pools)
+    asyncio.run(write_pool_statuses(view, h.state, fleet, write_status))
+    assert sorted(writes) == ["other", "root", "root"]

@@ -156,3 +156,12 @@ def test_parents_first() -> None:
 def test_spec_needs_exactly_one_source() -> None:
     with pytest.raises(ValueError, match="exactly one"):
         pool("x", text="a", tokens=[1]).spec.source()
+
+
+def test_a_newer_version_of_a_pool_is_not_equal_to_the_old_one() -> None:
+    """kopf keeps an index entry equal to the new one: a status-only change (a new
+    resourceVersion) must make the entry differ, or the loop never sees that status."""
+    from dataclasses import replace
+
+    old = replace(pool("root"), status={"path": "root"}, resource_version="1")
+    assert replace(old, status={"path": "elsewhere"}, resource_version="2") != old

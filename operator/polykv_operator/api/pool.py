@@ -95,7 +95,7 @@ class PolyKVPoolSpec(KubeModel):
 
     def source(self) -> str:
         """Which of the prefix fields is set (the CRD guarantees exactly one)."""
-        given = [s for s in SOURCES if getattr(self, _snake(s)) is not None]
+        given = [s for s, attr in _SOURCE_FIELDS if getattr(self, attr) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of {', '.join(SOURCES)} (got {given or 'none'})")
         return given[0]
@@ -103,6 +103,9 @@ class PolyKVPoolSpec(KubeModel):
 
 def _snake(name: str) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in name)
+
+
+_SOURCE_FIELDS = tuple((s, _snake(s)) for s in SOURCES)  # every round asks every pool
 
 
 class PoolReplica(KubeModel):

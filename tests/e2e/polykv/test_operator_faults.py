@@ -101,12 +101,18 @@ def converged(
         ids = [p.pool_id for p in pools.values()]
         assert len(ids) == len(set(ids)), pools  # no duplicate
         out[rep.pod] = {n: p.pool_id for n, p in pools.items()}
+        if policy:
+            assert all(pools[n].admission is not None for n in declared if n.startswith("a"))
+
+    def listed() -> bool | None:  # each pool's status names every replica and its pool id
         for name in declared:
             st = get(cluster, namespace, "polykvpools", name)["status"]
             rows = {r["pod"]: r["poolId"] for r in st.get("replicas") or []}
-            assert rows.get(rep.pod) == pools[name].pool_id, (name, rows)
-            if policy and name.startswith("a"):
-                assert pools[name].admission is not None, name  # its policy, pushed
+            if rows != {pod: ids[name] for pod, ids in out.items()}:
+                return None
+        return True
+
+    eventually("every status lists every replica's pool id", listed, 60)
     return out
 
 
