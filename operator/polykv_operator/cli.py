@@ -3,8 +3,9 @@
     polykv-operator --all-namespaces            # in a cluster (the Deployment runs this)
     polykv-operator --namespace agents --verbose
 
-Every argument is passed to ``kopf run``; ``--standalone`` is added because the operator runs
-as a single replica (Deployment strategy Recreate), so kopf's peering objects are not needed.
+Every argument is passed to ``kopf run``. Without ``--peering NAME`` (or ``--peering=NAME``)
+``--standalone`` is added: one replica acts alone and needs no peering objects. With it, the
+replicas exchange keep-alives through kopf's peering object and only one acts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import sys
 
 
 def argv(args: list[str]) -> list[str]:
-    extra = [] if "--standalone" in args or "--peering" in args else ["--standalone"]
+    chosen = any(a in ("--standalone", "--peering") or a.startswith("--peering=") for a in args)
+    extra = [] if chosen else ["--standalone"]
     return ["kopf", "run", *extra, *args, "-m", "polykv_operator.main"]
 
 

@@ -101,7 +101,11 @@ def test_default_install(tmp_path: Path) -> None:
     (c,) = pod["containers"]
     assert c["image"] == "polykv/operator:0.1.0"
     assert "--all-namespaces" in c["args"]
-    assert dep["spec"]["strategy"] == {"type": "Recreate"} and dep["spec"]["replicas"] == 1
+    # Peering on: only one replica ever acts, so a rolling update is safe.
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate"} and dep["spec"]["replicas"] == 1
+    assert "--peering=polykv" in c["args"]
+    assert {"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c["env"]
+    assert set(named(docs, "ClusterKopfPeering")) == {"polykv"}
     secret = named(docs, "Secret")["rel-polykv-master-key"]
     assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     assert len(secret["data"]["master-key"]) > 40
@@ -204,6 +208,33 @@ def test_monitoring_objects_when_their_crds_exist(tmp_path: Path) -> None:
     dash = named(docs, "ConfigMap")["rel-polykv-dashboard"]
     panels = json.loads(dash["data"]["polykv.json"])["panels"]
     assert len({p["id"] for p in panels}) == len(panels) >= 10
+
+
+def test_peering_objects_follow_the_namespaces_and_standalone_stays_single(
+    tmp_path: Path,
+) -> None:
+    docs = render(tmp_path, {"operator": {"watchNamespaces": ["a", "b"], "replicas": 2}})
+    peers = {
+        (d["metadata"]["namespace"], d["metadata"]["name"])
+        for d in docs
+        if d["kind"] == "KopfPeering"
+    }
+    assert peers == {("a", "polykv"), ("b", "polykv")} and "ClusterKopfPeering" not in kinds(docs)
+    (dep,) = named(docs, "Deployment").values()
+    assert dep["spec"]["replicas"] == 2
+    alone = {"operator": {"peering": {"enabled": False, "name": "polykv"}}}
+    docs = render(tmp_path, alone)
+    (dep,) = named(docs, "Deployment").values()
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert not any(a.startswith("--peering") for a in args)
+    assert "ClusterKopfPeering" not in kinds(docs)
+    # Two standalone operators would both act: refused with the reason.
+    (tmp_path / "two.yaml").write_text(
+        yaml.safe_dump({"operator": {"replicas": 2, "peering": {"enabled": False, "name": "p"}}})
+    )
+    out = helm("template", "rel", str(CHART), "-f", str(tmp_path / "two.yaml"), check=False)
+    assert out.returncode != 0 and "needs operator.peering.enabled" in out.stderr, out.stderr
 
 
 def test_existing_secret_and_namespaced_operator(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ def test_cli_runs_kopf_with_the_handlers() -> None:
         "polykv_operator.main",
     ]
     assert "--standalone" not in cli.argv(["--peering", "x"])
+    assert "--standalone" not in cli.argv(["--all-namespaces", "--peering=polykv"])
 
 
 def test_config_from_env(tmp_path) -> None:  # type: ignore[no-untyped-def]

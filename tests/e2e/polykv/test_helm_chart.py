@@ -255,7 +255,13 @@ def test_install_test_upgrade_uninstall(
     upgraded_s = time.monotonic() - t0
     env = {e["name"]: e.get("value") for e in second["spec"]["containers"][0]["env"]}
     assert env["POLYKV_OPERATOR_POLL_INTERVAL"] == "1"
-    assert gone(api, f"/api/v1/namespaces/{namespace}/pods/{first['metadata']['name']}")
+    # A rolling update (peering: the old and the new pod never both act): the old pod goes
+    # once the new one is ready.
+    eventually(
+        "the first operator pod gone",
+        lambda: gone(api, f"/api/v1/namespaces/{namespace}/pods/{first['metadata']['name']}"),
+        timeout_s=120,
+    )
     live = api.get(crd)["spec"]["versions"][0]["additionalPrinterColumns"][0]
     assert live.get("description") == column.get("description")
     assert api.get(secret_path)["data"]["master-key"] == key_before

@@ -89,8 +89,14 @@ def test_helm_block_then_plain_manifests_block(own_cluster: ControlPlane) -> Non
 
     run_block(own_cluster, "kubectl")
     operator_serves(own_cluster, "agents-2")
-    pods = own_cluster.api.get(
-        "/api/v1/namespaces/polykv-system/pods",
-        labelSelector="app.kubernetes.io/name=polykv-operator",
-    )["items"]
-    assert [p["status"]["phase"] for p in pods] == ["Running"]
+
+    def phases() -> list[str] | None:
+        pods = own_cluster.api.get(
+            "/api/v1/namespaces/polykv-system/pods",
+            labelSelector="app.kubernetes.io/name=polykv-operator",
+        )["items"]
+        found = sorted(p["status"]["phase"] for p in pods)
+        return found if found == ["Running", "Running"] else None
+
+    # The plain manifests run two replicas with kopf peering (one acts, one stands by).
+    eventually("both operator replicas running", phases, timeout_s=120)
