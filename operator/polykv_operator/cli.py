@@ -13,7 +13,8 @@ import sys
 
 
 def argv(args: list[str]) -> list[str]:
-    extra = [] if "--standalone" in args or "--peering" in args else ["--standalone"]
+    peering = any(a == "--peering" or a.startswith("--peering=") for a in args)
+    extra = [] if "--standalone" in args or peering else ["--standalone"]
     return ["kopf", "run", *extra, *args, "-m", "polykv_operator.main"]
 
 

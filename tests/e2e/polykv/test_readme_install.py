@@ -93,4 +93,5 @@ def test_helm_block_then_plain_manifests_block(own_cluster: ControlPlane) -> Non
         "/api/v1/namespaces/polykv-system/pods",
         labelSelector="app.kubernetes.io/name=polykv-operator",
     )["items"]
-    assert [p["status"]["phase"] for p in pods] == ["Running"]
+    # The plain manifests run two peering replicas (one acts); the chart, one.
+    assert [p["status"]["phase"] for p in pods] == ["Running", "Running"]
