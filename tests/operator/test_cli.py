@@ -7,6 +7,8 @@ session would pick up.
 
 from __future__ import annotations
 
+import pytest
+
 from polykv_operator import cli
 from polykv_operator.config import Config, ConfigError
 
@@ -89,3 +91,45 @@ def test_crash_point_kills_only_at_its_count() -> None:
     env = {"POLYKV_OPERATOR_CRASH_AT": "rendered:2", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == -9 and out.stdout == "alive\n"
+
+
+def test_autoscaling_settings() -> None:
+    env = {
+        "POLYKV_OPERATOR_MASTER_KEY": "k",
+        "POLYKV_OPERATOR_AUTOSCALE_PORT": "8082",
+        "POLYKV_OPERATOR_EXTERNAL_METRICS_PORT": "6443",
+        "POLYKV_OPERATOR_EXTERNAL_METRICS_CERT": "/tls/tls.crt",
+        "POLYKV_OPERATOR_EXTERNAL_METRICS_KEY": "/tls/tls.key",
+        "POLYKV_OPERATOR_EXTERNAL_METRICS_SERVICE": "polykv-system/metrics",
+    }
+    cfg = Config.from_env(env)
+    cfg.check()
+    assert (cfg.autoscale_port, cfg.external_metrics_port) == (8082, 6443)
+    assert str(cfg.external_metrics_cert) == "/tls/tls.crt"
+    off = Config.from_env({"POLYKV_OPERATOR_MASTER_KEY": "k"})
+    off.check()
+    assert off.autoscale_port is None and off.external_metrics_port is None
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"POLYKV_OPERATOR_AUTOSCALE_PORT": "http"}, "POLYKV_OPERATOR_AUTOSCALE_PORT"),
+        ({"POLYKV_OPERATOR_EXTERNAL_METRICS_PORT": "70000"}, "1-65535"),
+        ({"POLYKV_OPERATOR_EXTERNAL_METRICS_CERT": ""}, "EXTERNAL_METRICS_CERT"),
+        ({"POLYKV_OPERATOR_EXTERNAL_METRICS_SERVICE": "metrics"}, "namespace/name"),
+        ({"POLYKV_OPERATOR_EXTERNAL_METRICS_SERVICE": "a/b/c"}, "namespace/name"),
+    ],
+)
+def test_autoscaling_settings_that_cannot_work_are_refused(
+    change: dict[str, str], needle: str
+) -> None:
+    env = {
+        "POLYKV_OPERATOR_MASTER_KEY": "k",
+        "POLYKV_OPERATOR_EXTERNAL_METRICS_PORT": "6443",
+        "POLYKV_OPERATOR_EXTERNAL_METRICS_CERT": "/tls/tls.crt",
+        "POLYKV_OPERATOR_EXTERNAL_METRICS_KEY": "/tls/tls.key",
+        **change,
+    }
+    with pytest.raises(ConfigError, match=needle):
+        Config.from_env(env).check()

@@ -149,7 +149,12 @@ class Servers:
         self.runners.append(runner)
 
     async def start_json(self, source: SignalSource, address: str, port: int) -> None:
-        await self._start(json_app(source), address, port)
+        """Serves the JSON; a failure (a port in use) is logged, the operator runs on."""
+        try:
+            await self._start(json_app(source), address, port)
+        except OSError as exc:
+            log.error("autoscale JSON not served address=%s port=%s: %s", address, port, exc)
+            return
         log.info("autoscale JSON served address=%s port=%s", address, port)
 
     async def start_external(
