@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TokenId = Annotated[int, Field(ge=0)]
+# Request models are strict: JSON `true` is not token 1 and "5" is not 5. A client that
+# sends the wrong type learns it from a 400 instead of getting a guess.
 SESSION_ID_PATTERN = r"^[!-~]{1,256}$"
 """A session id travels in headers (x-session-id, echoed back): visible ASCII only."""
 
@@ -24,7 +26,7 @@ class _Request(BaseModel):
     """An inference body: OpenAI clients send many fields we do not use, so unknown fields
     are accepted and reported back in ``X-PolyKV-Ignored-Fields`` (never dropped silently)."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, strict=True)
 
     def ignored_fields(self) -> list[str]:
         """Names of body fields this engine does not understand (echoed, never silent)."""
@@ -35,7 +37,7 @@ class _Control(BaseModel):
     """A control body (``/polykv/*``, ``/tokenize``, ``/detokenize``): a misspelt field must
     not silently install something else, so unknown fields are refused with 400."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class SamplingFields(_Request):
@@ -129,6 +131,8 @@ class CompletionRequest(SamplingFields):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
@@ -161,13 +165,13 @@ class OAICompletionRequest(SamplingFields):
 class TextPart(BaseModel):
     """A content part; only text parts are supported (no images or audio)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -204,7 +208,7 @@ class JsonSchemaFormat(BaseModel):
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True, strict=True)
 
 
 class ResponseFormat(BaseModel):
@@ -217,7 +221,7 @@ class ResponseFormat(BaseModel):
         None, alias="schema", description="llama-server's shorthand for json_object + schema"
     )
 
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True, strict=True)
 
     @model_validator(mode="after")
     def _schema_when_needed(self) -> ResponseFormat:
@@ -749,7 +753,7 @@ class AdmissionPolicy(_Control):
     """``POST /polykv/pools/{id}/admission``: a per-pool floor on the mean experienced decode
     tps of its active sessions, checked when a NEW session attaches. Immutable once parsed."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     target_tps_per_session: float = Field(gt=0, description="the floor for mean experienced tps")
     mode: Literal["advisory", "enforced"] = "advisory"

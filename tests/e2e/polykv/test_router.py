@@ -195,6 +195,30 @@ def test_the_operator_deploys_a_router_that_finds_the_engine_pods(routed: Routed
     assert first["msg"] == "polykv-router started" and first["selector"] == "polykv.io/engine=eng"
 
 
+def test_new_sessions_spread_by_headroom_and_avoid_a_saturated_replica(routed: Routed) -> None:
+    # The first test to place sessions, so the replicas start alike (no cached sessions of
+    # other tests holding KV or counted as load): an even spread is what the picker owes.
+    routed.hand_pool("spread")
+    homes = Counter(
+        say(routed.router, f"spread-{i}", "spread", "Go.").headers["x-polykv-replica"]
+        for i in range(2 * REPLICAS)
+    )
+    assert sorted(homes.values()) == [2] * REPLICAS, homes  # even: bound sessions count
+
+    routed.hand_pool("avoid")
+    full = sorted(routed.engines())[0]
+    saturate(routed.engine(full), "avoid", settle_max_ms=4000)
+    before = total(metrics(routed.engines()[full]), "polykv_pool_rejects_total", pool="avoid")
+    homes = Counter(
+        say(routed.router, f"avoid-{i}", "avoid", "Go.").headers["x-polykv-replica"]
+        for i in range(REPLICAS)
+    )
+    assert full not in homes, homes
+    # Not even tried: the router knew from the replica's capacity that it would refuse.
+    after = total(metrics(routed.engines()[full]), "polykv_pool_rejects_total", pool="avoid")
+    assert after == before
+
+
 def test_twenty_turns_stay_on_one_replica_reusing_the_cache(routed: Routed) -> None:
     history: list[Obj] = [SYSTEM]
     seen: set[str] = set()
@@ -237,28 +261,6 @@ def test_a_stream_through_the_router_matches_a_direct_one(routed: Routed) -> Non
     with httpx.stream("POST", url, json=body, headers=KEY, timeout=120) as r:
         direct = r.read()
     assert_same_stream(direct, via, tokens=24)
-
-
-def test_new_sessions_spread_by_headroom_and_avoid_a_saturated_replica(routed: Routed) -> None:
-    routed.hand_pool("spread")
-    homes = Counter(
-        say(routed.router, f"spread-{i}", "spread", "Go.").headers["x-polykv-replica"]
-        for i in range(2 * REPLICAS)
-    )
-    assert sorted(homes.values()) == [2] * REPLICAS, homes  # even: bound sessions count
-
-    routed.hand_pool("avoid")
-    full = sorted(routed.engines())[0]
-    saturate(routed.engine(full), "avoid", settle_max_ms=4000)
-    before = total(metrics(routed.engines()[full]), "polykv_pool_rejects_total", pool="avoid")
-    homes = Counter(
-        say(routed.router, f"avoid-{i}", "avoid", "Go.").headers["x-polykv-replica"]
-        for i in range(REPLICAS)
-    )
-    assert full not in homes, homes
-    # Not even tried: the router knew from the replica's capacity that it would refuse.
-    after = total(metrics(routed.engines()[full]), "polykv_pool_rejects_total", pool="avoid")
-    assert after == before
 
 
 def test_engine_refusals_become_one_429_with_the_smallest_retry_after(routed: Routed) -> None:
