@@ -73,10 +73,15 @@ class Engines:
         c = await self._read(pod, path, wire.CapacityReport, "pool_not_found")
         if c is None:
             return None
+        # An idle replica's projection is its memory of the last load (the gate needs a
+        # figure to judge the floor against), not a measurement of now: a few tokens on a
+        # busy CPU made alike replicas' memories differ threefold. For ranking it is no
+        # projection.
+        projected = None if c.projected_idle_estimate else c.projected_mean_tps_if_admitted
         return PoolCapacity(
             can_admit=c.can_admit,
             reason_code=c.reason_code,
-            projected_tps=c.projected_mean_tps_if_admitted,
+            projected_tps=projected,
             headroom=c.headroom_sessions,
             n_sessions=c.n_pool_sessions,
             settling=c.settling,

@@ -26,28 +26,72 @@ def test_a_saturated_replica_goes_last_and_admitting_ones_first() -> None:
     assert rank(views, {}, gated=True) == ["b", "c", "a"]
 
 
-def test_higher_projected_tps_wins_then_headroom_then_load_then_name() -> None:
+def test_higher_projected_tps_wins_then_fewest_sessions_headroom_load_and_name() -> None:
     views = [
-        view("a", cap(projected=20.0, n=2)),
+        view("a", cap(projected=15.0, n=2)),
         view("b", cap(projected=30.0, n=2)),
         view("c", cap(projected=30.0, n=2, headroom=6)),
         view("d", cap(projected=30.0, n=2, headroom=6), load=1),
         view("e", cap(projected=30.0, n=2, headroom=6), load=1),
     ]
     assert rank(views, {}, gated=True) == ["c", "d", "e", "b", "a"]
+    # Within the window the pool's session count comes before headroom.
+    views.append(view("f", cap(projected=25.0, n=1)))
+    assert rank(views, {}, gated=True) == ["f", "c", "d", "e", "b", "a"]
 
 
 def test_projections_a_noise_apart_rank_as_equal() -> None:
-    # 33 vs 30 tok/s is noise: the lighter replica wins; 40 vs 30 is a real difference.
-    views = [view("busy", cap(projected=33.0, n=2), load=2), view("light", cap(projected=30.0))]
+    # 44 vs 30 tok/s is noise on a busy CPU: the replica with fewer sessions wins; 50 vs 30
+    # is a real difference.
+    views = [view("busy", cap(projected=44.0, n=2), load=2), view("light", cap(projected=30.0))]
     assert rank(views, {}, gated=True) == ["light", "busy"]
-    views = [view("busy", cap(projected=40.0, n=2), load=2), view("light", cap(projected=30.0))]
+    views = [view("busy", cap(projected=50.0, n=2), load=2), view("light", cap(projected=30.0))]
     assert rank(views, {}, gated=True) == ["busy", "light"]
 
 
-def test_an_idle_pool_beats_any_projection() -> None:
+def test_windows_are_taken_from_the_best_down() -> None:
+    # 100 opens the first window (down to 66.7): b and c; 60 opens the next: a and d.
+    views = [
+        view("a", cap(projected=60.0, n=1)),
+        view("b", cap(projected=100.0, n=3)),
+        view("c", cap(projected=70.0, n=1)),
+        view("d", cap(projected=41.0, n=0)),
+    ]
+    assert rank(views, {}, gated=True) == ["c", "b", "d", "a"]
+
+
+def test_identical_replicas_with_noisy_rates_share_new_sessions_evenly() -> None:
+    """Six sessions, one at a time, on three alike replicas whose measured rates wobble by
+    up to 40% from poll to poll: two each."""
+    wobble = [1.0, 1.4, 0.75, 1.2, 0.8, 1.35, 0.9, 1.1, 1.3]
+    placed: Counter[str] = Counter()
+    for turn in range(6):
+        views = [
+            view(
+                name,
+                cap(
+                    projected=30.0 * wobble[(turn + i) % len(wobble)] / (placed[name] + 1),
+                    n=placed[name],
+                )
+                if placed[name]
+                else cap(projected=None),
+            )
+            for i, name in enumerate("abc")
+        ]
+        placed[rank(views, {}, gated=True)[0]] += 1
+    assert sorted(placed.values()) == [2, 2, 2], placed
+
+
+def test_an_idle_pool_ties_with_the_best_projection() -> None:
+    # No figure is no evidence of speed: the replica with fewer sessions of the pool wins.
     views = [view("a", cap(projected=500.0, n=1)), view("b", cap(projected=None))]
     assert rank(views, {}, gated=True) == ["b", "a"]
+    views = [view("a", cap(projected=500.0, n=0)), view("b", cap(projected=None, n=2))]
+    assert rank(views, {}, gated=True) == ["a", "b"]
+    # Against slower figures it is in the first window.
+    views = [view("a", cap(projected=90.0, n=0)), view("b", cap(projected=None, n=2))]
+    views.append(view("c", cap(projected=20.0, n=0)))
+    assert rank(views, {}, gated=True) == ["a", "b", "c"]
 
 
 def test_a_burst_spreads_because_reservations_count() -> None:
@@ -61,8 +105,9 @@ def test_a_burst_spreads_because_reservations_count() -> None:
 
 
 def test_reservations_lower_the_projection_by_the_simple_model() -> None:
-    # a: 40 tps with 1 session, 1 reserved -> 40 * 2/3 = 26.7 < b's 30.
-    views = [view("a", cap(projected=40.0, n=1)), view("b", cap(projected=30.0, n=1))]
+    # a: 60 tps with 1 session, 1 reserved -> 60 * 2/3 = 40: b's 30 is then in its window,
+    # with fewer sessions.
+    views = [view("a", cap(projected=60.0, n=1)), view("b", cap(projected=30.0, n=1))]
     assert rank(views, {}, gated=True) == ["a", "b"]
     assert rank(views, {"a": 1}, gated=True) == ["b", "a"]
 
