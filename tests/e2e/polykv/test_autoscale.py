@@ -474,6 +474,7 @@ def test_refused_sessions_scale_up_while_floor_pressure_stays_at_most_one(
     ratios: list[float] = []
     statuses: list[int] = []
     reasons: set[str] = set()
+    seen: list[float] = []
     try:
         tps = measured_tps(eng, a.ip)
         floor = round(0.1 * tps, 1)
@@ -494,7 +495,7 @@ def test_refused_sessions_scale_up_while_floor_pressure_stays_at_most_one(
                     f"http://{a.ip}:8080/completion",
                     json={"prompt": CREW + " Join.", "pool_id": "crew", "n_predict": 4},
                     headers={"x-session-id": f"newcomer-{next(knocks)}"},
-                    timeout=30,
+                    timeout=120,
                 )
                 statuses.append(r.status_code)
                 if r.status_code == 429:
@@ -505,16 +506,19 @@ def test_refused_sessions_scale_up_while_floor_pressure_stays_at_most_one(
             if not body["stale"]:
                 pressures.append(body["floor_pressure"])
                 ratios.append(body["session_demand_ratio"])
+                if not seen and ratios[-1] > 0.85:
+                    # Once, through the aggregator as the HPA reads it, while the demand is
+                    # high (after the scale-up, a second replica's headroom lowers it).
+                    seen.append(value_of(k8s_cluster, "polykv_session_demand_ratio", ns))
             time.sleep(0.5)
             return spec_replicas(k8s_cluster, ns) == 2 or None
 
-        until(k8s_cluster, ns, "HPA scales on refused demand", knock, 180)
-        seen = value_of(k8s_cluster, "polykv_session_demand_ratio", ns)  # via the aggregator
+        until(k8s_cluster, ns, "HPA scales on refused demand", knock, 240)
     finally:
         steady.stop()
     assert all(t.outcome in ("done", "stopped") for t in steady.turns), steady.turns
     assert statuses.count(429) > 0 and reasons <= {"kv_headroom", "tps_floor"}, (statuses, reasons)
-    assert max(ratios) > 0.85 and seen > 0.85, (ratios, seen)
+    assert max(ratios) > 0.85 and seen and seen[0] > 0.85, (ratios, seen)
     assert pressures and max(pressures) <= 1.0, (floor, tps, pressures)
     print(
         f"\nautoscale figures: floor {floor} tps (0.1 x measured {tps:.1f}); floor pressure "
