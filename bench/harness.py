@@ -506,6 +506,29 @@ def publish(
         progress(f"README table {name} updated")
 
 
+def republish(
+    name: str,
+    data: dict[str, Any],
+    cfg: Any,
+    raw: dict[str, Any],
+    analyse: Callable[[Any, dict[str, Any]], Any],
+    render: Callable[[Any, dict[str, Any], Any], str],
+    *,
+    publish_files: bool,
+    readme: bool,
+    charts: Charts | None = None,
+) -> int:
+    """A saved measurement analysed and rendered again (``--from-json``): its environment
+    and commit stay as recorded; only the summary, the tables and the charts are redone."""
+    res = analyse(cfg, raw)
+    table = render(cfg, raw, res)
+    if publish_files:
+        data["summary"] = res
+        publish(name, data, table, readme=README if readme else None, charts=charts)
+    print(table)
+    return 0
+
+
 def add_output_flags(p: Any, rerender: bool = False) -> None:
     """The flags every benchmark shares: where its results go (and, for benchmarks that can
     re-render a saved result, where it comes from)."""

@@ -1179,13 +1179,7 @@ def rerender(path: Path, publish: bool, readme: bool) -> int:
     conf["levels"] = tuple(conf["levels"])
     cfg = Config(**conf)
     raw = {k: data[k] for k in ("env", "model", "props", "runs", "fanout")}
-    res = analyse(cfg, raw)
-    table = render(cfg, raw, res)
-    if publish:
-        data["summary"] = res
-        H.publish(NAME, data, table, readme=H.README if readme else None)
-    print(table)
-    return 0
+    return H.republish(NAME, data, cfg, raw, analyse, render, publish_files=publish, readme=readme)
 
 
 if __name__ == "__main__":

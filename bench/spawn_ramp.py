@@ -875,13 +875,9 @@ def rerender(path: Path, publish: bool, readme: bool) -> int:
     conf["policies"] = tuple(conf["policies"])
     cfg = Config(**conf)
     raw = {k: data[k] for k in ("env", "model", "calibration", "runs")}
-    res = analyse(cfg, raw)
-    table = render(cfg, raw, res)
-    if publish:
-        data["summary"] = res
-        H.publish(NAME, data, table, readme=H.README if readme else None, charts=chart)
-    print(table)
-    return 0
+    return H.republish(
+        NAME, data, cfg, raw, analyse, render, publish_files=publish, readme=readme, charts=chart
+    )
 
 
 if __name__ == "__main__":

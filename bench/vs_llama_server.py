@@ -919,13 +919,9 @@ def rerender(path: Path, publish: bool, readme: bool) -> int:
     cfg = Config(**conf)
     raw = {k: data.get(k) for k in ("env", "llama_server", "shared_models", "runs", "shared_runs")}
     raw["runs"] = raw["runs"] or []
-    res = analyse(cfg, raw)
-    table = render(cfg, raw, res)
-    if publish:
-        data["summary"] = res
-        H.publish(NAME, data, table, readme=H.README if readme else None, charts=chart)
-    print(table)
-    return 0
+    return H.republish(
+        NAME, data, cfg, raw, analyse, render, publish_files=publish, readme=readme, charts=chart
+    )
 
 
 if __name__ == "__main__":

@@ -10,10 +10,12 @@ reachable on 127.0.0.1. Needs root (unshare, mount, chroot).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import tarfile
 from dataclasses import dataclass, field
@@ -140,13 +142,35 @@ class Container:
         return self
 
     def run(self, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
+        """Runs to completion; past ``timeout_s`` the container is killed (all of it)."""
+        proc = subprocess.Popen(
             [*UNSHARE, "sh", "-c", self.script()],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
             text=True,
-            timeout=timeout_s,
-            check=False,
         )  # fmt: skip
+        self.proc = proc
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        finally:
+            self.stop()
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def stop(self) -> None:
+        """Kills the container: SIGKILL to its PID 1, and the kernel kills everything else in
+        its PID namespace. Killing unshare is not enough: the death signal --kill-child gives
+        the entrypoint is cleared when it drops to the image's user (a credential change),
+        so a non-root container outlived its unshare."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            self.signal(signal.SIGKILL)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
 
     def signal(self, sig: int) -> None:
         """To the container's PID 1, as `kubectl delete pod` does via the runtime."""

@@ -82,10 +82,7 @@ def engine(engine_image: Image, test_model: Path, tmp_path: Path) -> Iterator[Co
     try:
         yield c
     finally:
-        assert c.proc is not None
-        if c.proc.poll() is None:
-            c.proc.kill()
-            c.proc.wait(10)
+        c.stop()
         print((tmp_path / "engine.log").read_text(errors="replace")[-3000:])
 
 
@@ -117,6 +114,25 @@ def test_engine_image_serves_health_and_stops_on_sigterm(engine: Container, tmp_
     assert stopped_s < 20
     log = (tmp_path / "engine.log").read_text(errors="replace")
     assert "Read-only file system" not in log
+
+
+def test_a_stopped_container_leaves_no_process_behind(engine: Container) -> None:
+    """The engine runs as the image's non-root user; stopping its container (as a failed
+    test's teardown does) must take every process in it, not only our unshare."""
+    port = engine.port  # type: ignore[attr-defined]
+    wait_serving(engine, "engine /health", f"http://127.0.0.1:{port}/health")
+    assert engine.proc is not None
+    pid1 = int(
+        Path(f"/proc/{engine.proc.pid}/task/{engine.proc.pid}/children").read_text().split()[0]
+    )
+    inside = [pid1, *map(int, Path(f"/proc/{pid1}/task/{pid1}/children").read_text().split())]
+    assert Path(f"/proc/{pid1}/status").read_text().count("65532") >= 2  # Uid/Gid lines
+    engine.stop()
+    wait_for(
+        "no process of the container left",
+        lambda: True if not any(Path(f"/proc/{p}").exists() for p in inside) else None,
+        30,
+    )
 
 
 def test_operator_image_entrypoint_and_modules(operator_image: Image) -> None:
@@ -155,9 +171,7 @@ def test_router_image_routes_to_the_engine_image(
         router.signal(signal.SIGTERM)
         assert router.proc.wait(30) == 0
     finally:
-        if router.proc is not None and router.proc.poll() is None:
-            router.proc.kill()
-            router.proc.wait(10)
+        router.stop()
         print((tmp_path / "router.log").read_text(errors="replace")[-3000:])
     log = (tmp_path / "router.log").read_text(errors="replace")
     assert "Read-only file system" not in log
