@@ -43,7 +43,8 @@ RAMBLES = pytest.mark.xfail(
 
 class TestPolyKVChatModelStandard(Suite):
     @pytest.fixture(autouse=True, scope="class")
-    def _engine(self, smol: EngineProcess) -> None:
+    @classmethod
+    def _engine(cls, smol: EngineProcess) -> None:
         ENGINE["url"] = smol.base_url
 
     @property

@@ -211,7 +211,7 @@ def test_a_pod_talks_to_the_api_server_as_its_service_account(
         f"{k8s_cluster.credentials.server}/apis/authentication.k8s.io/v1/selfsubjectreviews",
         json={"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
         headers={"Authorization": f"Bearer {token}"},
-        verify=str(k8s_cluster.credentials.ca_file),
+        verify=ssl.create_default_context(cafile=str(k8s_cluster.credentials.ca_file)),
         timeout=10,
     ).json()
     user = review["status"]["userInfo"]
