@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from polykv_engine.llama.omp import OMP_POLICY_DEFAULT, apply_omp_policy
+
 from . import harness as H
 
 
@@ -36,7 +38,7 @@ _callbacks: list[Any] = []  # libllama keeps a raw pointer: the ctypes callback 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
     # Before libllama (and OpenMP) loads: as the engine does.
-    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    apply_omp_policy(os.environ, OMP_POLICY_DEFAULT)
     import llama_cpp.llama_cpp as C
 
     from polykv_engine.llama.runtime import init_backend

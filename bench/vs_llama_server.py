@@ -61,9 +61,10 @@ from . import harness as H
 from .pool_sharing import Api, word_text
 
 NAME = "vs_llama_server"
-# ggml's OpenMP threads at barriers: sleep at once, libgomp's default (spin briefly, then
-# sleep: what llama-server runs with), spin. The engine's default is chosen from this table.
-OMP_POLICIES = ("passive", "default", "active")
+# How ggml's OpenMP threads wait for the next graph (polykv_engine/llama/omp.py): spin a
+# while then sleep (the shipped default), sleep at once, libgomp's default (what llama-server
+# runs with), spin without end. The engine's default is chosen from this table.
+OMP_POLICIES = ("spin", "passive", "default", "active")
 POLYKV_KEYS = tuple(f"polykv_{p}" for p in OMP_POLICIES)
 OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 LEVELS = (1, 2, 4, 8)

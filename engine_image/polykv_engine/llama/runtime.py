@@ -28,16 +28,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# How ggml's OpenMP compute threads wait at barriers, set before libllama (and its OpenMP
-# runtime) loads. POLYKV_OMP_WAIT_POLICY: passive (sleep at once), active (spin), or default
-# (libgomp's own: spin briefly, then sleep; what llama-server runs with). An explicit
-# OMP_WAIT_POLICY wins. The default is chosen by measurement (bench/vs_llama_server.py).
-# (The imports below come after this on purpose.)
+# The OpenMP wait policy must be in the environment before libllama (and its OpenMP runtime)
+# loads: the imports below come after this on purpose.
 # ruff: noqa: E402
-OMP_POLICY_DEFAULT = "passive"
-OMP_POLICY = os.environ.get("POLYKV_OMP_WAIT_POLICY", OMP_POLICY_DEFAULT)
-if OMP_POLICY != "default":
-    os.environ.setdefault("OMP_WAIT_POLICY", OMP_POLICY)
+from polykv_engine.llama.omp import (
+    OMP_POLICIES,
+    OMP_POLICY,
+    OMP_POLICY_DEFAULT,
+    apply_omp_policy,
+    omp_wait,
+)
+
+apply_omp_policy(os.environ)
 
 import llama_cpp.llama_cpp as C
 import numpy as np
@@ -177,8 +179,15 @@ def init_backend() -> BackendInfo:
         library or "linked into libggml",
         " ".join(k for k, v in features.items() if v == "1") or "none",
         ", ".join(_backend.extra_buffer_types) or "none",
-        os.environ.get("OMP_WAIT_POLICY") or "libgomp default (spin, then sleep)",
+        omp_wait(),
     )
+    if OMP_POLICY not in OMP_POLICIES:
+        log.warning(
+            "POLYKV_OMP_WAIT_POLICY=%r is not one of %s: using %s",
+            OMP_POLICY,
+            ", ".join(OMP_POLICIES),
+            OMP_POLICY_DEFAULT,
+        )
     return _backend
 
 
