@@ -804,8 +804,11 @@ class Engine:
         longest = len(slot.prompt) + len(slot.generated)
         if longest > self._counters.tokens_max:
             self._counters = replace(self._counters, tokens_max=longest)
-        task.sink.emit(DoneEvent(result))
         self.slots.release(slot)
+        # Publish before answering: a client that asks where its session lives as soon as
+        # the reply arrives (a router, an agent framework) must find it there.
+        self._publish()
+        task.sink.emit(DoneEvent(result))
 
     def _fail(
         self,

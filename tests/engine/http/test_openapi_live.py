@@ -75,8 +75,11 @@ def test_control_responses_match_the_document(client: httpx.Client, pool: str) -
     check(r.json(), "post", "/polykv/pools/{pool}/admission")
     check(client.delete(f"/polykv/pools/{pool}/admission").json(), "delete",
           "/polykv/pools/{pool}/admission")  # fmt: skip
-    client.post("/completion", json={"prompt": "x", "n_predict": 1, "session_id": "oa-s"})
-    check(client.get("/polykv/sessions/oa-s").json(), "get", "/polykv/sessions/{session}")
+    r = client.post("/completion", json={"prompt": "x", "n_predict": 1, "session_id": "oa-s"})
+    assert r.status_code == 200, r.text
+    found = client.get("/polykv/sessions/oa-s")
+    assert found.status_code == 200, (r.json(), found.text, client.get("/slots").json())
+    check(found.json(), "get", "/polykv/sessions/{session}")
     r = client.post("/polykv/pools", json={"prompt": "openapi other", "name": "oa-other"})
     check(r.json(), "post", "/polykv/pools")
     check(client.delete("/polykv/pools/oa-other").json(), "delete", "/polykv/pools/{pool}")
