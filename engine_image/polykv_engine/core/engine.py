@@ -98,6 +98,8 @@ class Engine:
         self._batch: Batch | None = None
         self._stop_requested = False
         self._kv: KVCache | None = None
+        self._answers: list[tuple[GenerateTask, DoneEvent]] = []
+        """Finished requests, answered right after the snapshot that shows them is out."""
         self._pools: PoolManager | None = None
         self._slots: SlotTable | None = None
         self.pools_disabled_reason: str | None = None
@@ -805,10 +807,9 @@ class Engine:
         if longest > self._counters.tokens_max:
             self._counters = replace(self._counters, tokens_max=longest)
         self.slots.release(slot)
-        # Publish before answering: a client that asks where its session lives as soon as
-        # the reply arrives (a router, an agent framework) must find it there.
-        self._publish()
-        task.sink.emit(DoneEvent(result))
+        # Answered by the next publish, not now: a client that asks where its session lives
+        # as soon as the reply arrives (a router, an agent framework) must find it there.
+        self._answers.append((task, DoneEvent(result)))
 
     def _fail(
         self,
@@ -870,6 +871,9 @@ class Engine:
             counters=self._counters,
             step_curve=self._step_timer.curve(),
         )
+        answers, self._answers = self._answers, []
+        for task, done in answers:
+            task.sink.emit(done)
 
     def _reclaimable(self) -> int:
         """Cells only idle prompt caches hold: a new session gets them by dropping caches,

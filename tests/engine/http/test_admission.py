@@ -189,13 +189,16 @@ def test_enforced_queue_holds_then_admits_or_times_out(ac: httpx.Client) -> None
 
 def test_settling_holds_instead_of_rejecting(ac: httpx.Client) -> None:
     prompt = saturated_pool(
-        ac, "settle", target_tps_per_session=0.001, settle_tokens=100_000, settle_max_ms=1500
+        ac, "settle", target_tps_per_session=0.001, settle_tokens=100_000, settle_max_ms=5000
     )
     with Load(ac, "settle", prompt, ["settle-bg"]):
-        wait_for(lambda: capacity(ac, "settle")["settling"])
-        cap = capacity(ac, "settle")
+        # The answer that showed the window open is the one checked (a second read could
+        # come after the window closed on a busy machine).
+        seen: dict[str, Any] = {}
+        wait_for(lambda: seen.update(capacity(ac, "settle")) or seen["settling"])
+        cap = seen
         assert not cap["can_admit"] and cap["reason"] == "measurement settling"
-        assert 0 < cap["settle_remaining_ms"] <= 1500
+        assert 0 < cap["settle_remaining_ms"] <= 5000
         holds = _metric(ac, "polykv_pool_holds_total", pool="settle")
         r = complete(ac, prompt + [407], 4, pool_id="settle", session_id="settle-new")
         assert r.status_code == 200, r.text  # held until the window closed, then admitted
