@@ -96,6 +96,7 @@ class AdmissionGate:
         self.refused = RecentDistinct()
         self.refused_by_pool: dict[str, RecentDistinct] = {}
         self._labels: dict[int, str] = {}  # pool id -> the label its series carry
+        self._admitted_to: dict[int, int] = {}  # task id -> pool id, until the request ends
         self._updater: asyncio.Task[None] | None = None
 
     def state(self, pool_id: int) -> PoolAdmissionState:
@@ -242,6 +243,9 @@ class AdmissionGate:
     def finished(self, task: GenerateTask) -> None:
         """The request ended: count the query, and a prefix hit when it reused the pool's
         cells."""
+        admitted_to = self._admitted_to.pop(task.task_id, None)
+        if admitted_to is not None and admitted_to in self.states:
+            self.states[admitted_to].forget(task.task_id)
         if task.pool is not None:
             self._labels[task.pool.pool_id] = task.pool.label
             self.counters.queries.labels(task.pool.label).inc()
@@ -252,6 +256,7 @@ class AdmissionGate:
         self._labels[pool.pool_id] = pool.label
         self.counters.admits.labels(pool.label).inc()
         self.state(pool.pool_id).record_admit(task.task_id, time.monotonic())
+        self._admitted_to[task.task_id] = pool.pool_id
 
     async def _wait(self, pool: PoolSnapshot, limit_s: float, settle_only: bool) -> Capacity:
         deadline = time.monotonic() + limit_s

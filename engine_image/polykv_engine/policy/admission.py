@@ -138,12 +138,25 @@ class LoadMemory:
 
 @dataclass(slots=True)
 class PoolAdmissionState:
-    """What a pool remembers between admits: the open settle window, if any."""
+    """What a pool remembers between admits: the open settle window, if any, and the
+    sessions admitted but not on a slot yet (they count toward the guaranteed minimum, or
+    two spawns arriving together would both be "the first")."""
 
     settle: Settle | None = None
+    seating: set[int] = field(default_factory=set)
 
     def record_admit(self, task_id: int, now: float) -> None:
         self.settle = Settle(now, task_id)
+        self.seating.add(task_id)
+
+    def forget(self, task_id: int) -> None:
+        """The request ended (answered, failed or cancelled): it is no longer seating."""
+        self.seating.discard(task_id)
+
+    def n_seating(self, view: EngineView) -> int:
+        seated = {s.task_id for s in view.sessions if s.in_pool and s.task_id is not None}
+        self.seating -= seated  # on a slot now: the view counts them
+        return len(self.seating)
 
     def settle_remaining_ms(self, policy: AdmissionPolicy, now: float) -> float:
         if self.settle is None:
@@ -250,7 +263,10 @@ def capacity(
             or expected_tokens > view.free_cells
         ):
             return False, REASON_CONTEXT
-        if policy is not None and view.n_pool_sessions < policy.guarantee_min_sessions:
+        if (
+            policy is not None
+            and view.n_pool_sessions + state.n_seating(view) < policy.guarantee_min_sessions
+        ):
             guaranteed = True
             return True, REASON_GUARANTEED
         if known_session:

@@ -164,6 +164,26 @@ def test_guarantee_admits_the_first_session_even_when_saturated() -> None:
     assert not cap.can_admit and cap.reason == REASON_CONTEXT
 
 
+def test_a_session_admitted_but_not_yet_seated_uses_up_the_guarantee() -> None:
+    # Two spawns arrive together: the first is admitted on the guarantee but has no slot
+    # yet; the second must not be "the first" too.
+    state = PoolAdmissionState()
+    saturated = view(sess(1.0, in_pool=False), free=0)
+    assert capacity(FLOOR15, state, saturated, now=0).guaranteed
+    state.record_admit(task_id=7, now=0)
+    cap = capacity(FLOOR15, state, saturated, now=0.1)
+    assert not cap.can_admit and not cap.guaranteed and cap.reason == REASON_SETTLING
+    # On its slot it is counted by the view, not twice.
+    seated = view(sess(1.0, task=7), free=0)
+    assert capacity(FLOOR15, state, seated, now=0.2).reason == REASON_SETTLING
+    assert state.seating == set()
+    # A request that ended before it was seated frees the guarantee again.
+    other = PoolAdmissionState()
+    other.record_admit(task_id=8, now=0)
+    other.forget(8)
+    assert capacity(FLOOR15, other, saturated, now=0.1).guaranteed
+
+
 def test_context_arm() -> None:
     v = view(sess(30), free=5000)
     assert capacity(None, PoolAdmissionState(), v, 0, expected_tokens=8192 - 200 + 1).reason == (
