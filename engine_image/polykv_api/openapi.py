@@ -66,6 +66,7 @@ OPERATIONS: list[Op] = [
 ]
 
 ERROR = {"$ref": "#/components/schemas/ErrorBody"}
+STRING = {"type": "string"}
 ERRORS = {
     "400": "invalid request",
     "401": "no or wrong key",
@@ -119,6 +120,21 @@ def document() -> dict[str, Any]:
                 "application/json": {"schema": {"$ref": f"#/components/schemas/{resp.__name__}"}}
             }
         op["responses"]["200"] = ok
+        if resp is m.PoolList:  # pollers revalidate instead of parsing an unchanged listing
+            ok["headers"] = {"ETag": {"description": "over the body", "schema": STRING}}
+            op["parameters"] = [
+                {
+                    "name": "If-None-Match",
+                    "in": "header",
+                    "required": False,
+                    "description": "an ETag from an earlier answer",
+                    "schema": STRING,
+                }
+            ]
+            op["responses"]["304"] = {
+                "description": "Not Modified: the listing is byte-identical to that ETag's",
+                "headers": ok["headers"],
+            }
         if resp is m.PoolCreated:  # a new pool is 201; an existing one of that name is 200
             op["responses"]["201"] = {**ok, "description": "Created"}
         for code, why in ERRORS.items():

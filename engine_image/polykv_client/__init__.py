@@ -26,6 +26,7 @@ from .errors import (
     SessionNotFound,
     error_from_response,
 )
+from .ops import Revalidated
 from .signals import SESSION_ID, Signals
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "PrefixMismatch",
     "PrefixTooLong",
     "RequestRejected",
+    "Revalidated",
     "SeqIdsExhausted",
     "SessionBusy",
     "SessionNotFound",

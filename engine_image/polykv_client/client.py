@@ -83,7 +83,10 @@ class _Base:
             "url": self.base_url + call.path,
             "json": call.json,
             "params": call.params,
-            "headers": {"Authorization": f"Bearer {key}"} if key else {},
+            "headers": {
+                **(call.headers or {}),
+                **({"Authorization": f"Bearer {key}"} if key else {}),
+            },
             "timeout": self.create_timeout if call.slow else self.timeout,
         }
 
@@ -155,6 +158,7 @@ class PolyKVClient(_Base):
     fork_pool = _sync(ops.fork_pool)
     get_pool = _sync(ops.get_pool)
     list_pools = _sync(ops.list_pools)
+    list_pools_if_changed = _sync(ops.list_pools_if_changed)
     pin = _sync(ops.pin)
     unpin = _sync(ops.unpin)
     pool_action = _sync(ops.pool_action)
@@ -217,6 +221,7 @@ class AsyncPolyKVClient(_Base):
     fork_pool = _async(ops.fork_pool)
     get_pool = _async(ops.get_pool)
     list_pools = _async(ops.list_pools)
+    list_pools_if_changed = _async(ops.list_pools_if_changed)
     pin = _async(ops.pin)
     unpin = _async(ops.unpin)
     pool_action = _async(ops.pool_action)

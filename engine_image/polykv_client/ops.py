@@ -44,6 +44,7 @@ class Call:
     params: Mapping[str, str | int] | None = None
     admin: bool = False  # a mutation: send the admin key
     slow: bool = False  # waits for a prefill: use the long timeout
+    headers: Mapping[str, str] | None = None
 
 
 def parse(resp: httpx.Response, model: type[M]) -> M:
@@ -142,6 +143,26 @@ def list_pools() -> Op[wire.PoolList]:
     """Every pool on the engine, with KV attribution, sessions and capacity summaries."""
     resp = yield Call("GET", "/polykv/pools")
     return parse(resp, wire.PoolList)
+
+
+@dataclass(frozen=True, slots=True)
+class Revalidated:
+    """A listing asked for with the ETag of an earlier one: ``listing`` is None when it is
+    unchanged (304); ``etag`` names the listing now held either way."""
+
+    listing: wire.PoolList | None
+    etag: str | None
+
+
+def list_pools_if_changed(etag: str | None) -> Op[Revalidated]:
+    """``list_pools`` for pollers: with the ETag of the listing they hold, an unchanged one
+    costs a 304 and no parsing."""
+    headers = {"If-None-Match": etag} if etag else None
+    resp = yield Call("GET", "/polykv/pools", headers=headers)
+    now = resp.headers.get("ETag")
+    if resp.status_code == 304:
+        return Revalidated(None, now or etag)
+    return Revalidated(parse(resp, wire.PoolList), now)
 
 
 def pool_action(ref: wire.PoolRef, action: PoolAction) -> Op[wire.PoolStatus]:

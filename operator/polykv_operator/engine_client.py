@@ -20,7 +20,13 @@ import httpx
 
 import polykv_client
 from polykv_api import models as wire
-from polykv_client import AsyncPolyKVClient, AuthError, EngineUnavailable, PoolNotFound
+from polykv_client import (
+    AsyncPolyKVClient,
+    AuthError,
+    EngineUnavailable,
+    PoolNotFound,
+    Revalidated,
+)
 
 from . import metrics
 
@@ -90,8 +96,9 @@ class EngineClient:
         finally:
             metrics.ENGINE_CALLS.labels(op=op, result=result).observe(time.monotonic() - t0)
 
-    async def list_pools(self) -> wire.PoolList:
-        return await self._timed("list", self.api.list_pools())
+    async def list_pools(self, etag: str | None = None) -> Revalidated:
+        """The replica's listing; with the ETag of the one held, None when unchanged."""
+        return await self._timed("list", self.api.list_pools_if_changed(etag))
 
     async def create(
         self, parent: str | None, req: wire.PoolCreateRequest | wire.PoolForkRequest

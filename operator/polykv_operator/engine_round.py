@@ -5,8 +5,10 @@ what changed).
 
 `serve` runs rounds for one engine: at once when something is poked (a pool applied, a
 replica ready, a policy edited; pokes during a round coalesce into one more round), else
-every interval as a safety net. One loop per engine, no per-pool timer: an idle operator
-costs the same with 10 pools or 1,000.
+every interval as a safety net. One loop per engine, no per-pool timer. At the interval a
+settled engine is first asked whether anything changed (`quiet`: the namespace's change
+count, and each replica's listing revalidated by its ETag); a round runs only if so, so an
+idle operator costs the same with 10 pools or 1,000.
 
 The round is the only code that creates pools on engines or sets their policies; the pool
 finalizer (pool_release.py) is the only code that releases them. Both hold the engine's
@@ -42,6 +44,7 @@ from .fleet import (
     Render,
     RenderFailure,
     ReplicaRef,
+    Settled,
     Synced,
 )
 from .policies import PolicyNode, engine_policy, same_policy, select
@@ -54,6 +57,7 @@ CostWriter = Callable[[str, str], Awaitable[None]]  # (pod name, pod-deletion-co
 # (plural, object name, status merge patch); an object gone meanwhile is not an error.
 StatusWriter = Callable[[str, str, dict[str, Any]], Awaitable[None]]
 
+FULL_ROUND_S = 300.0  # an idle engine still gets a full round this often (a safety net)
 COALESCE_S = 0.05  # after a poke, wait this long for the rest of a `kubectl apply` burst
 WRITE_CONCURRENCY = 16  # status writes in flight at once (one API server, many pools)
 
@@ -87,16 +91,30 @@ def client_for(
     return EngineClient(http, f"http://{pod.ip}:{view.spec.port}", state.admin_key)
 
 
-async def poll(client: EngineClient, pod: ReplicaRef) -> Observation:
-    """One `GET /polykv/pools`: the pools with their live figures and capacity summaries."""
+async def poll(client: EngineClient, pod: ReplicaRef, held: Observation | None) -> Observation:
+    """One `GET /polykv/pools`: the pools with their live figures and capacity summaries.
+    With `held`, the same replica's last observation, the listing is revalidated by its
+    ETag: unchanged, it is kept as it is (the same object) and nothing is parsed."""
+    same = (
+        held is not None
+        and held.uid == pod.uid
+        and held.ip == pod.ip
+        and held.listing is not None
+        and held.etag is not None
+    )
     t0 = time.monotonic()
     try:
-        listing = await client.list_pools()
+        got = await client.list_pools(held.etag if same and held is not None else None)
     except (EngineUnreachable, EngineRejected) as exc:
         metrics.POLLS.labels(result="unreachable").observe(time.monotonic() - t0)
         return Observation(pod.name, pod.uid, pod.ip, reachable=False, error=str(exc))
-    metrics.POLLS.labels(result="ok").observe(time.monotonic() - t0)
-    return Observation(pod.name, pod.uid, pod.ip, reachable=True, listing=listing)
+    if got.listing is None and same and held is not None:
+        metrics.POLLS.labels(result="unchanged").observe(time.monotonic() - t0)
+        listing = held.listing
+    else:
+        metrics.POLLS.labels(result="ok").observe(time.monotonic() - t0)
+        listing = got.listing
+    return Observation(pod.name, pod.uid, pod.ip, reachable=True, listing=listing, etag=got.etag)
 
 
 def rejected_reason(exc: EngineRejected, pod: str, name: str) -> RenderFailure:
@@ -190,7 +208,10 @@ class Round:
         st.orphaned_pins = sum(1 for p in theirs if p.orphaned_pin)
 
     async def _poll_all(self, pods: Sequence[ReplicaRef]) -> None:
-        found = await asyncio.gather(*(poll(self.clients[p.name], p) for p in pods))
+        held = self.state.replicas
+        found = await asyncio.gather(
+            *(poll(self.clients[p.name], p, held.get(p.name)) for p in pods)
+        )
         alive = set(self.pods)
         self.state.replicas = {k: v for k, v in self.state.replicas.items() if k in alive}
         for obs in found:
@@ -564,6 +585,7 @@ class Snapshot:
     generation: int
     status: Mapping[str, Any]
     resource_version: str
+    changes: int = 0  # the namespace's change count, read before the view (Fleet.changes)
 
 
 async def run_cycle(
@@ -578,6 +600,7 @@ async def run_cycle(
     """One round, then the engine's status and its pools' statuses, each written only when
     it changed (and not again while the watch has not yet shown our last write)."""
     view = snap.view
+    state.settled = None
     current = state.written.current(snap.uid, snap.resource_version, snap.status)
     patch = await run_round(view, state, http, write_gate, snap.generation, current, write_cost)
     if patch:
@@ -585,6 +608,38 @@ async def run_cycle(
         state.written.sent(snap.uid, snap.resource_version, current, patch)
         crash_point("engine-status-written")
     await write_pool_statuses(view, state, fleet, write_status)
+    if state.nothing_pending():
+        state.settled = Settled(snap.changes, view.spec.port)
+
+
+async def quiet(state: EngineState, changes: int, http: httpx.AsyncClient) -> bool:
+    """True when a round now would do nothing, found without reading the cluster: the last
+    round settled, no object of the namespace changed since (`changes`), and every replica
+    answers 304 to its listing's ETag. The cost is one small request per replica, however
+    many pools there are. A full round still runs every `FULL_ROUND_S`."""
+    settled = state.settled
+    if (
+        settled is None
+        or settled.changes != changes
+        or time.monotonic() - settled.at > FULL_ROUND_S
+    ):
+        return False
+    held = list(state.replicas.values())
+    pods = [state.pods.get(o.pod) for o in held]
+    if any(p is None or p.ip is None for p in pods):
+        return False
+    found = await asyncio.gather(
+        *(
+            poll(EngineClient(http, f"http://{p.ip}:{settled.port}", state.admin_key), p, o)
+            for p, o in zip(pods, held, strict=True)
+            if p is not None
+        )
+    )
+    for obs in found:  # a changed listing is kept: the full round revalidates it cheaply
+        state.replicas[obs.pod] = obs
+    return all(
+        new.reachable and new.listing is old.listing for new, old in zip(found, held, strict=True)
+    )
 
 
 async def write_pool_statuses(
@@ -677,8 +732,13 @@ async def serve(
             pass
         if stopped():
             return
+        poked = state.wake.is_set()
         state.wake.clear()
         try:
+            if not poked and await quiet(state, fleet.changes(state.key[0]), http):
+                state.quiet_rounds += 1
+                metrics.ROUNDS.labels("quiet").inc()
+                continue
             await run_cycle(snapshot(), state, fleet, http, write_gate, write_status, write_cost)
         except Exception:
             failures += 1

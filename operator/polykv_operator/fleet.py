@@ -90,6 +90,8 @@ class Observation:
     reachable: bool
     error: str | None = None
     listing: wire.PoolList | None = None
+    # The engine's ETag for `listing` as it answered; None once we changed it in place.
+    etag: str | None = None
     at: float = field(default_factory=time.time)
     _by_name: dict[str, wire.PoolStatus] | None = field(default=None, repr=False, compare=False)
     _indexed: tuple[int, int] = field(default=(0, 0), repr=False, compare=False)
@@ -114,12 +116,14 @@ class Observation:
         self.listing.seq_ids_used += int(holds) - int(held)  # one sequence id per resident pool
         self.listing.pools = [p for p in self.listing.pools if p.name != pool.name] + [pool]
         self._by_name = None
+        self.etag = None  # no longer the engine's bytes: the next poll fetches it whole
 
     def drop_pool(self, name: str) -> None:
         if self.listing is None:
             return
         self.listing.pools = [p for p in self.listing.pools if p.name != name]
         self._by_name = None
+        self.etag = None
 
     @property
     def boot_id(self) -> str | None:
@@ -179,6 +183,17 @@ class Synced:
     restarts: int
 
 
+@dataclass(frozen=True)
+class Settled:
+    """A round after which nothing waited on a retry: until the cluster changes (`changes`,
+    the namespace's change count when the round read it) or a replica's listing does,
+    another round would do nothing."""
+
+    changes: int
+    port: int  # the replicas' port then (a spec change is a cluster change)
+    at: float = field(default_factory=time.monotonic)
+
+
 @dataclass
 class EngineState:
     key: EngineKey
@@ -206,9 +221,25 @@ class EngineState:
     written: WriteMemo = field(default_factory=lambda: WriteMemo())
     # pod uid -> (pod-deletion-cost sent, the annotation the index showed then)
     costs_sent: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    settled: Settled | None = None  # the last round left nothing pending
+    quiet_rounds: int = 0  # rounds skipped because nothing had changed
 
     def poke(self) -> None:
         self.wake.set()
+
+    def nothing_pending(self) -> bool:
+        """Nothing that time alone changes: every replica answered with a listing its engine
+        can revalidate (none changed in place by a create), and no render, create, policy
+        push, status write or release waits for a retry."""
+        return (
+            bool(self.replicas)
+            and all(o.reachable and o.etag is not None for o in self.replicas.values())
+            and not any(self.create_errors.values())
+            and not any(isinstance(r, RenderFailure) for r in self.renders.values())
+            and not self.policy_errors
+            and not self.deleting
+            and self.statuses_key is not None
+        )
 
     def forget_pool(self, uid: str) -> None:
         """A pool released everywhere: nothing about it is worth keeping, except that it is
@@ -260,6 +291,14 @@ class Fleet:
         self.engines: dict[EngineKey, EngineState] = {}
         self.released: set[str] = set()  # pool uids released everywhere
         self._changed: asyncio.Condition | None = None
+        self._changes: dict[str, int] = {}  # namespace -> events indexed there
+
+    def touch(self, namespace: str) -> None:
+        """An object an engine round reads changed in `namespace` (counted, not kept)."""
+        self._changes[namespace] = self._changes.get(namespace, 0) + 1
+
+    def changes(self, namespace: str) -> int:
+        return self._changes.get(namespace, 0)
 
     def changed(self) -> asyncio.Condition:
         """Notified whenever a pool has been released (created lazily: it binds to the loop)."""

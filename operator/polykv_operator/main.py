@@ -434,6 +434,7 @@ async def engine_loop(
     ns = str(namespace)
 
     def snapshot() -> Snapshot:
+        changes = FLEET.changes(ns)  # before the view: a change while it is read is seen
         spec = PolyKVEngineSpec.model_validate(dict(body.spec))
         pods = _ns(pods_idx, (ns, name))
         view = _view(ns, name, spec, engines_idx, pools_idx, policies_idx, pods)
@@ -444,6 +445,7 @@ async def engine_loop(
             generation=int(meta.get("generation") or 1),
             status=dict(body.status),
             resource_version=str(meta.get("resourceVersion") or ""),
+            changes=changes,
         )
 
     await serve(
@@ -608,7 +610,17 @@ async def policy_status(
 @kopf.on.event(GROUP, VERSION, ADMISSION.plural)
 async def policy_event(namespace: str | None, **_: Any) -> None:
     """A policy applied, edited or deleted: the engines of its namespace push it now."""
+    FLEET.touch(str(namespace))
     FLEET.poke_namespace(str(namespace))
+
+
+@kopf.on.event(GROUP, VERSION, ENGINE.plural)
+@kopf.on.event(GROUP, VERSION, POOL.plural)
+async def counted_event(namespace: str | None, **_: Any) -> None:
+    """Any event, deletions included (which kopf's indexers drop without a call): the
+    namespace's engines run a full round at their next interval, not a quiet check. Event
+    handlers run after the indexes took the event, so that round reads it."""
+    FLEET.touch(str(namespace))
 
 
 # -------------------------------------------------------------------------------- pods
@@ -621,6 +633,7 @@ async def engine_pod_event(
     """Drops the readiness gate as soon as an engine stops or restarts: its KV is gone, and
     the Service must not route to it until the next round re-materializes the tree. A
     replica that came, went, turned ready or restarted pokes the engine's round."""
+    FLEET.touch(str(namespace))
     state = FLEET.peek(str(namespace), labels.get(ENGINE_LABEL, ""))
     if state is None or namespace is None:
         return

@@ -7,6 +7,7 @@ code as the real engine's do; `reasons=False` plays an engine older than the cod
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,6 +141,8 @@ class FakeEngine:
     refused: int = 0  # distinct sessions refused in the last minute (autoscaling)
     headroom: int = 3  # more sessions free slots and KV would take
     unpooled: int = 0  # sessions holding KV outside any pool
+    etags: bool = True  # answer If-None-Match with 304 like the engine (False: an older one)
+    not_modified: int = 0  # listings answered 304
 
     def restart(self, boot_id: str) -> None:
         self.boot_id, self.pools, self.next_id = boot_id, {}, 1
@@ -154,7 +157,7 @@ class FakeEngine:
         body = json.loads(request.content) if request.content else {}
         parts = path.strip("/").split("/")  # polykv pools [ref] [verb]
         if path == "/polykv/pools" and method == "GET":
-            return self._json(200, self.listing().model_dump())
+            return self._revalidated(request)
         if path == "/polykv/pools" and method == "POST":
             return self._create(body, None)
         ref = parts[2] if len(parts) > 2 else ""
@@ -271,6 +274,16 @@ class FakeEngine:
             boot_id=self.boot_id,
         )
         return self._json(status, out.model_dump())
+
+    def _revalidated(self, request: httpx.Request) -> httpx.Response:
+        body = self.listing().model_dump_json().encode()
+        if not self.etags:
+            return httpx.Response(200, content=body)
+        etag = f'"{hashlib.sha256(body).hexdigest()[:16]}"'
+        if request.headers.get("If-None-Match") == etag:
+            self.not_modified += 1
+            return httpx.Response(304, headers={"ETag": etag})
+        return httpx.Response(200, content=body, headers={"ETag": etag})
 
     @staticmethod
     def _json(status: int, body: Any) -> httpx.Response:

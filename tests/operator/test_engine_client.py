@@ -31,8 +31,16 @@ def test_typed_round_trip_and_auth_header() -> None:
     async def go() -> None:
         made = await c.create(None, wire.PoolCreateRequest(name="root", prompt="hello"))
         assert made.created and made.prefix_len == 5
-        listing = await c.list_pools()
-        assert [p.name for p in listing.pools] == ["root"]
+        first = await c.list_pools()
+        assert first.listing is not None and [p.name for p in first.listing.pools] == ["root"]
+        # Revalidated with its ETag: unchanged, nothing to parse; changed, the new listing.
+        again = await c.list_pools(first.etag)
+        assert again.listing is None and again.etag == first.etag and eng.not_modified == 1
+        await c.create(None, wire.PoolCreateRequest(name="other", prompt="bye"))
+        changed = await c.list_pools(first.etag)
+        assert changed.listing is not None and changed.etag != first.etag
+        assert [p.name for p in changed.listing.pools] == ["root", "other"]
+        assert await c.release("other") is True
         assert await c.release("root") is True
         assert await c.release("root") is False  # 404: nothing to release
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -365,3 +365,102 @@ def test_a_lagging_watch_gets_no_status_written_twice(monkeypatch: pytest.Monkey
     view = replace(view, pools=pools)
     asyncio.run(write_pool_statuses(view, h.state, fleet, write_status))
     assert sorted(writes) == ["other", "root", "root"]
+
+
+def test_an_unchanged_listing_is_revalidated_not_parsed_again() -> None:
+    h = Harness(1)
+    h.run(tree())  # creates: the listing was changed in place, so it has no ETag
+    assert h.state.replicas["eng-1"].etag is None
+    h.run(tree())
+    held = h.state.replicas["eng-1"].listing
+    assert h.state.replicas["eng-1"].etag is not None and h.engine().not_modified == 0
+    h.run(tree())
+    assert h.engine().not_modified == 1
+    assert h.state.replicas["eng-1"].listing is held  # the same object: nothing parsed
+
+
+class Loop:
+    """`serve` for one engine at a short interval, with the cluster as `pools` (use inside
+    one event loop: the engine state's wake event binds to it)."""
+
+    def __init__(self, h: Harness, pools: list[PoolNode]) -> None:
+        self.h, self.pools, self.fleet = h, pools, Fleet()
+        self.fleet.engines[(NS, "eng")] = h.state
+        self.task: asyncio.Task[None] | None = None
+
+    def snapshot(self) -> Snapshot:
+        h = self.h
+        view = ClusterView(
+            NS, "eng", engine_spec(), list(h.pods.values()), list(self.pools), [], ["eng"]
+        )
+        return Snapshot(view, "uid-eng", 1, {}, "1", changes=self.fleet.changes(NS))
+
+    async def until(self, what: Callable[[], bool]) -> None:
+        if self.task is None:
+            h = self.h
+            args = (h.state, self.snapshot, self.fleet, h.http, h.write_gate, self.write_status)
+            self.task = asyncio.create_task(serve(*args, 0.01, lambda: False))
+        for _ in range(3000):  # state, not time: a loaded machine may take a while
+            await asyncio.sleep(0.01)
+            if what():
+                return
+        raise AssertionError("condition not reached")
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    async def write_status(self, plural: str, name: str, patch: dict[str, Any]) -> None:
+        pass
+
+
+def test_an_idle_engine_gets_quiet_checks_not_rounds_until_something_changes() -> None:
+    h = Harness(2)
+    loop = Loop(h, tree())
+    st = h.state
+
+    def posts() -> int:
+        return sum(c.startswith("POST") for e in h.engines.values() for c in e.calls)
+
+    async def scenario() -> None:
+        await loop.until(lambda: st.quiet_rounds >= 3)
+        rounds = st.rounds  # the creates, one round to see them settled, then only checks
+        assert st.settled is not None and rounds <= 3
+        made = posts()
+        await loop.until(lambda: st.quiet_rounds >= 10)
+        assert st.rounds == rounds and posts() == made  # idle: no round, however many pools
+
+        # A replica that lost its KV changes its listing: the next check runs a round.
+        h.engine(2).restart("boot-2b")
+        await loop.until(lambda: set(h.engine(2).pools) == {"root", "extend", "branch"})
+        assert st.rounds > rounds
+
+        # A cluster change (any event of the namespace) runs a round, without a poke.
+        await loop.until(lambda: st.settled is not None)
+        rounds = st.rounds
+        loop.pools.append(pool("late", text="A late root."))
+        loop.fleet.touch(NS)
+        await loop.until(lambda: "late" in h.engine(1).pools)
+        assert st.rounds > rounds
+        loop.stop()
+
+    asyncio.run(scenario())
+
+
+def test_no_quiet_check_while_something_waits_for_a_retry() -> None:
+    h = Harness(1)
+    h.engine().busy = "kv_full"  # every create refused for room: retried later, not now
+    loop = Loop(h, [pool("root", text=ROOT)])
+    st = h.state
+
+    async def scenario() -> None:
+        await loop.until(lambda: st.rounds >= 5)
+        assert st.create_errors["uid-root"] and st.settled is None and st.quiet_rounds == 0
+        h.engine().busy = None
+        h.engine().etags = False  # an engine without ETags: every round is a full one
+        st.create_errors.clear()
+        await loop.until(lambda: "root" in h.engine().pools and st.rounds >= 10)
+        assert st.settled is None and st.quiet_rounds == 0
+        loop.stop()
+
+    asyncio.run(scenario())

@@ -365,6 +365,21 @@ def test_listing_carries_each_pools_capacity(pc: httpx.Client) -> None:
     assert cap["headroom_sessions"] >= 1 and 0.0 <= cap["compaction_pressure"] <= 1.0
 
 
+def test_listing_revalidates_by_etag(pc: httpx.Client) -> None:
+    create(pc, prompt=SYSTEM, name="tagged")
+    first = pc.get("/polykv/pools", headers=ADMIN)
+    etag = first.headers["ETag"]
+    assert first.status_code == 200 and etag.startswith('"') and first.json()["pools"]
+    for sent in (etag, f"W/{etag}", f'"other", {etag}', "*"):
+        r = pc.get("/polykv/pools", headers={**ADMIN, "If-None-Match": sent})
+        assert r.status_code == 304 and r.content == b"" and r.headers["ETag"] == etag, sent
+    assert pc.get("/polykv/pools", headers={**ADMIN, "If-None-Match": '"stale"'}).status_code == 200
+    fork(pc, "tagged", prompt=SYSTEM + TOOLS_A, name="tagged-child")
+    r = pc.get("/polykv/pools", headers={**ADMIN, "If-None-Match": etag})
+    assert r.status_code == 200 and r.headers["ETag"] != etag  # changed: the whole listing
+    assert {p["name"] for p in r.json()["pools"]} >= {"tagged", "tagged-child"}
+
+
 def test_flush_and_slot_erase_refusals(pc: httpx.Client) -> None:
     create(pc, prompt=SYSTEM, name="fl-root")
     fork(pc, "fl-root", prompt=SYSTEM + TOOLS_A, name="fl-kid", pin=True)

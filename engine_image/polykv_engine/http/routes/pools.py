@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import xxhash
 from aiohttp import web
 
 from polykv_api.models import (
@@ -176,9 +177,18 @@ async def release_pool(request: web.Request) -> web.Response:
 
 
 async def list_pools(request: web.Request) -> web.Response:
+    """The listing with a strong ETag over its bytes: a poller that sends it back as
+    If-None-Match gets 304 and no body while nothing in the listing changed (an idle
+    operator then parses nothing, however many pools there are)."""
     ctx = ctx_of(request)
     listing = await pool_listing(ctx)
-    return web.json_response(listing.model_dump())
+    body = listing.model_dump_json().encode()
+    etag = xxhash.xxh3_64_hexdigest(body)
+    headers = {"ETag": f'"{etag}"'}
+    for tag in request.if_none_match or ():
+        if tag.value in (etag, "*"):  # weak or strong: a 304 is the same answer for a GET
+            return web.Response(status=304, headers=headers)
+    return web.Response(body=body, content_type="application/json", headers=headers)
 
 
 async def get_pool(request: web.Request) -> web.Response:
