@@ -68,6 +68,7 @@ def test_handler_ids_are_stable() -> None:
         "link_parent",
         "pool_labels/metadata.labels",
         "policy_event",
+        "counted_event",
         "release_pool",
         "policy_status",
         "engine_pod_event",
