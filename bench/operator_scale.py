@@ -12,6 +12,7 @@ python -m bench.operator_scale --quick    # smoke run: small sizes, no files
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -387,7 +388,13 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         ),
         (
             "idle operator CPU (ms per s)",
-            f"{cpu[few]} at {few} pools, {cpu[many]} at {many}",
+            f"{cpu[few]} at {few} pools on 1 engine, {cpu[many]} at {many} on {cfg.engines}",
+            "",
+        ),
+        (
+            "… per engine (ms per s)",
+            f"{cpu[few]:.2f} at {float(few):.0f} pools each, "
+            f"{cpu[many] / cfg.engines:.2f} at {float(many) / cfg.engines:.0f} each",
             "flat in pools",
         ),
         (
@@ -411,7 +418,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         "### Operator at scale: apply → Ready, 1,000 pools, idle cost, deletion\n\n"
         f"Local control plane, real engine processes (test model), operator at the shipped "
         f"{cfg.poll_interval_s:g} s poll; `python -m bench.operator_scale` (about 2 minutes).\n\n"
-        f"{table}\n"
+        f"{table}\n\n"
         "Idle (measured once no status has changed for two polls; the fleet took "
         f"{res['fleet_settled_s']} s after its last Ready), each engine gets a quiet check per "
         "poll instead of a round: one conditional request per replica answered 304 while its "
@@ -423,13 +430,23 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.operator_scale", description=__doc__)
     p.add_argument("--per-engine", type=int, default=200, help="pools per engine (5 engines)")
-    H.add_output_flags(p)
+    H.add_output_flags(p, rerender=True)
     args = p.parse_args(argv)
+    if args.from_json:
+        return rerender(args.from_json, publish=not args.no_publish, readme=not args.no_readme)
     cfg = Config(per_engine=args.per_engine)
     if args.quick:
         cfg.applies, cfg.tree, cfg.engines, cfg.per_engine = 3, 20, 2, 20
         cfg.idle_s, cfg.delete_reps = 5.0, 1
     return H.run_and_publish(NAME, cfg, args, measure, analyse, render, bulky=())
+
+
+def rerender(path: Path, publish: bool, readme: bool) -> int:
+    """Tables from an earlier measurement (its environment and commit stay as recorded)."""
+    data = json.loads(path.read_text())
+    cfg = Config(**data["config"])
+    raw = {k: v for k, v in data.items() if k not in ("benchmark", "config", "summary")}
+    return H.republish(NAME, data, cfg, raw, analyse, render, publish_files=publish, readme=readme)
 
 
 if __name__ == "__main__":
