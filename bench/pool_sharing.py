@@ -152,8 +152,18 @@ class Api:
         out = self.post(f"/polykv/pools/{parent}/fork", body)
         return dict(out), time.perf_counter() - t0
 
+    def wait_idle(self, limit_s: float = 300.0) -> None:
+        """Until no slot is processing: a run's last requests may still be finishing after
+        its clients stopped waiting for them."""
+        deadline = time.monotonic() + limit_s
+        while any(s["is_processing"] for s in self.get("/slots")):
+            if time.monotonic() > deadline:
+                raise H.BenchError(f"slots still processing after {limit_s:.0f} s")
+            time.sleep(0.1)
+
     def reset(self, n_slots: int, keep: Sequence[str] = ()) -> None:
         """Every slot's cache erased, every pool but ``keep`` released (children first)."""
+        self.wait_idle()
         for slot in range(n_slots):
             self.post(f"/slots/{slot}?action=erase")
         listing = self.pools()

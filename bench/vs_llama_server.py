@@ -51,7 +51,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +121,7 @@ class Server:
     key: str
     label: str
     base_url: str
-    proc: Any = field(repr=False, default=None)
+    pid: int
 
 
 def prompt(model: str, rep: int, k: int, i: int) -> str:
@@ -233,7 +233,7 @@ def servers(model: Path, cfg: Config, binary: str) -> Iterator[list[Server]]:
             env=_ls_env(binary),
         )
         stack.enter_context(H.server(ls))
-        out.append(Server("llama_server", "llama-server", ls.base_url))
+        out.append(Server("llama_server", "llama-server", ls.base_url, ls.pid))
         for policy in OMP_POLICIES:
             # The engine's own knob, with any inherited OMP_WAIT_POLICY removed, so "default"
             # really is libgomp's default.
@@ -241,7 +241,9 @@ def servers(model: Path, cfg: Config, binary: str) -> Iterator[list[Server]]:
             eng = stack.enter_context(
                 H.engine(f"polykv-{policy}", model, [*common, "--metrics"], env)
             )
-            out.append(Server(f"polykv_{policy}", f"PolyKV ({policy} threads)", eng.base_url))
+            assert eng.proc is not None
+            label = f"PolyKV ({policy} threads)"
+            out.append(Server(f"polykv_{policy}", label, eng.base_url, eng.proc.pid))
         yield out
 
 
@@ -549,7 +551,9 @@ def measure(cfg: Config, binary: str) -> dict[str, Any]:
                     for k in cfg.levels:
                         for srv in order:
                             H.progress(f"{model} rep {rep + 1}/{cfg.reps} k={k} {srv.label}")
-                            r = one_level(srv, cfg, model, rep, k)
+                            # The others stopped: an idle `active` engine spins a core.
+                            with H.paused([s.pid for s in srvs if s is not srv]):
+                                r = one_level(srv, cfg, model, rep, k)
                             raw["runs"].append({"model": model, "rep": rep, "k": k,
                                                 "server": srv.key, **r})  # fmt: skip
         if "shared" in cfg.sections:
