@@ -181,14 +181,18 @@ class Demo:
                 "pool_id": "planner",
                 "messages": messages,
                 "tools": crew["tools"],  # as written in pools.yaml: any key order reuses
+                # The tools stay in the prompt (the pool's prefix holds them), but this turn
+                # answers in words: a 135M model otherwise reaches for `search` on anything.
+                "tool_choice": "none",
                 "max_tokens": 64,
                 "temperature": 0,
             },
             timeout=120,
         )
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise SystemExit(f"the engine answered {r.status_code}: {r.text}")
         body = r.json()
-        answer = body["choices"][0]["message"]["content"].strip()
+        answer = (body["choices"][0]["message"]["content"] or "").strip()
         print(f"   answer ({body['choices'][0]['finish_reason']}): {answer}")
         if not answer:
             raise SystemExit("the agent got an empty answer")
