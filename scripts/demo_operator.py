@@ -122,6 +122,8 @@ class Demo:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        # Its pid on disk: whoever runs the demo can stop it even if the demo itself dies.
+        (self.state / "operator.pid").write_text(f"{self.operator.pid}\n")
         print(f"   log: {self.state / 'operator.log'} (pid {self.operator.pid})")
 
     def stop_operator(self) -> None:

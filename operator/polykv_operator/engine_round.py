@@ -86,9 +86,9 @@ class Desired:
 
 
 def client_for(
-    http: httpx.AsyncClient, view: ClusterView, state: EngineState, pod: ReplicaRef
+    http: httpx.AsyncClient, port: int, state: EngineState, pod: ReplicaRef
 ) -> EngineClient:
-    return EngineClient(http, f"http://{pod.ip}:{view.spec.port}", state.admin_key)
+    return EngineClient(http, f"http://{pod.ip}:{port}", state.admin_key)
 
 
 async def poll(client: EngineClient, pod: ReplicaRef, held: Observation | None) -> Observation:
@@ -184,7 +184,8 @@ class Round:
         st.pods = dict(self.pods)
         st.deleting &= {n.uid for n in self.view.pools}  # gone from the cluster: forgotten
         serving = [p for p in self.pods.values() if p.ready and p.ip]
-        self.clients = {p.name: client_for(self.http, self.view, st, p) for p in serving}
+        port = self.view.spec.port
+        self.clients = {p.name: client_for(self.http, port, st, p) for p in serving}
         await self._poll_all(serving)
         crash_point("polled")  # replicas polled, nothing changed yet
         await self._gates(final=False)
@@ -630,7 +631,7 @@ async def quiet(state: EngineState, changes: int, http: httpx.AsyncClient) -> bo
         return False
     found = await asyncio.gather(
         *(
-            poll(EngineClient(http, f"http://{p.ip}:{settled.port}", state.admin_key), p, o)
+            poll(client_for(http, settled.port, state, p), p, o)
             for p, o in zip(pods, held, strict=True)
             if p is not None
         )

@@ -154,9 +154,9 @@ class PoolAdmissionState:
         self.seating.discard(task_id)
 
     def n_seating(self, view: EngineView) -> int:
-        seated = {s.task_id for s in view.sessions if s.in_pool and s.task_id is not None}
-        self.seating -= seated  # on a slot now: the view counts them
-        return len(self.seating)
+        """Admitted and not on a slot yet (those on one, the view counts already)."""
+        seated = {s.task_id for s in view.sessions if s.in_pool}
+        return sum(1 for t in self.seating if t not in seated)
 
     def settle_remaining_ms(self, policy: AdmissionPolicy, now: float) -> float:
         if self.settle is None:

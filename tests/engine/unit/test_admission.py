@@ -176,7 +176,7 @@ def test_a_session_admitted_but_not_yet_seated_uses_up_the_guarantee() -> None:
     # On its slot it is counted by the view, not twice.
     seated = view(sess(1.0, task=7), free=0)
     assert capacity(FLOOR15, state, seated, now=0.2).reason == REASON_SETTLING
-    assert state.seating == set()
+    assert state.n_seating(seated) == 0
     # A request that ended before it was seated frees the guarantee again.
     other = PoolAdmissionState()
     other.record_admit(task_id=8, now=0)
