@@ -354,11 +354,16 @@ def test_autoscale_signals_idle_zero_pressure_and_refused_demand(
             assert gauge("polykv_floor_pressure") > 1
             assert gauge("polykv_pool_active_sessions", pool="scale") == 1
             assert gauge("polykv_pool_floor_tps", pool="scale") == UNREACHABLE
-            # One scrape for both: the rate moves between two reads on a loaded machine.
-            scrape = ac.get("/metrics").text
-            tps_sum = _sample(scrape, "polykv_pool_active_tps_sum", pool="scale")
-            pressure = _sample(scrape, "polykv_floor_pressure")
-            assert pressure == pytest.approx(UNREACHABLE / tps_sum, rel=0.3)
+
+            # One scrape for both, and a scrape where the rate held still: the pool gauges and
+            # the pressure read the rate a moment apart, and on a loaded machine it swings.
+            def consistent() -> bool:
+                scrape = ac.get("/metrics").text
+                tps_sum = _sample(scrape, "polykv_pool_active_tps_sum", pool="scale")
+                pressure = _sample(scrape, "polykv_floor_pressure")
+                return tps_sum > 0 and pressure == pytest.approx(UNREACHABLE / tps_sum, rel=0.3)
+
+            wait_for(consistent, what="floor pressure = floor / the pool's mean tps")
             for i in range(3):
                 body = prompt + [500 + i]
                 r = complete(ac, body, 4, pool_id="scale", session_id=f"scale-new-{i}")
