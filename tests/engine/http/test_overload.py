@@ -73,6 +73,9 @@ def test_a_full_queue_answers_503_with_retry_after(
                 assert r.json()["error"]["reason"] == "queue_full"
                 assert int(r.headers["Retry-After"]) >= 1
         wait_for(lambda: busy_slots(c) == 0, what="slots free again")
+        # The queued request's client left too; until the engine drops it the queue is full.
+        wait_for(lambda: "llamacpp:requests_deferred 0.0" in c.get("/metrics").text,
+                 what="the queue empty again")  # fmt: skip
         assert c.post("/completion", json={"prompt": "after", "n_predict": 1}).status_code == 200
 
 
