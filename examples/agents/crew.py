@@ -41,6 +41,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, Send
+from pydantic import Field
 
 from polykv_api import models as wire
 from polykv_client import PolyKVClient
@@ -61,8 +62,14 @@ PLANNER = [{"role": "system", "content": "You are the planner. You split a task 
 WORKER = [{"role": "system", "content": "You are a worker. You carry out one step."}]
 
 
+# Bounded: a grammar-enforcing engine then ends the string even when a small model would
+# loop inside it, so the call fits in CALL_TOKENS and always parses.
+Step = Annotated[str, Field(max_length=80, description="the step, as the planner wrote it")]
+CALL_TOKENS = 160  # the call's JSON around an 80-character step, one token a character
+
+
 @tool
-def estimate_hours(step: str) -> int:
+def estimate_hours(step: Step) -> int:
     """Estimate how many hours a step of work takes."""
     return 1 + int(hashlib.sha256(step.encode()).hexdigest(), 16) % 8
 
@@ -132,10 +139,12 @@ def build(client: PolyKVClient, base_url: str, args: argparse.Namespace) -> Any:
             HumanMessage(f"Step: {job['step']}. Estimate it with the tool."),
         ]
         call = me.bind_tools([estimate_hours], tool_choice="required", parallel_tool_calls=False)
-        asked = call.invoke(msgs)
+        asked = call.invoke(msgs, max_tokens=CALL_TOKENS)
         msgs.append(asked)
         for tc in asked.tool_calls:
             msgs.append(ToolMessage(str(estimate_hours.invoke(tc["args"])), tool_call_id=tc["id"]))
+        for bad in asked.invalid_tool_calls:  # every call gets an answer, even a broken one
+            msgs.append(ToolMessage(f"error: {bad['error']}", tool_call_id=bad["id"] or ""))
         done = me.bind_tools([estimate_hours], tool_choice="none").invoke(msgs)
         sig = polykv_signals(done)
         reuse = (done.usage_metadata or {}).get("input_token_details", {}).get("cache_read", 0)

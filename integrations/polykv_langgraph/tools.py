@@ -140,14 +140,35 @@ def _schema(title: str, /, **fields: Any) -> type[BaseModel]:
     return create_model(title, **fields)
 
 
-def pool_tools(tree: PoolTree, pools: Sequence[str] | None = None) -> list[BaseTool]:
+# A new pool's name: a Kubernetes-style label, so the operator can adopt it as a resource.
+NAME_PATTERN = "^[a-z0-9][a-z0-9-]{0,62}$"
+
+
+def pool_tools(
+    tree: PoolTree, pools: Sequence[str] | None = None, max_instructions: int = 400
+) -> list[BaseTool]:
     """``create_pool``, ``fork_pool``, ``pool_status``, ``session_tps``, ``capacity``.
 
-    ``pools`` restricts the pool arguments (parents, status, capacity) to those names."""
+    ``pools`` restricts the pool arguments (parents, status, capacity) to those names.
+    Every string argument is bounded (``max_instructions`` characters for a new pool's
+    instructions), so on a grammar-enforcing engine a call ends even when a small model
+    would loop inside a string: give the call max_tokens for that many characters."""
     client = tree.client
     pool_arg = _pool_arg(pools)
-    text_arg = (str, Field(description="the instructions the new pool's agents share"))
-    new_name = (str, Field(description="a name for the new pool (letters, digits, -)"))
+    text_arg = (
+        str,
+        Field(
+            description="the instructions the new pool's agents share",
+            max_length=max_instructions,
+        ),
+    )
+    new_name = (
+        str,
+        Field(
+            description="a name for the new pool (lowercase letters, digits, -)",
+            pattern=NAME_PATTERN,
+        ),
+    )
 
     def create(name: str, instructions: str) -> dict[str, Any]:
         made = tree.root(name, [{"role": "system", "content": instructions}])

@@ -8,9 +8,11 @@ from typing import Any
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.prebuilt import ToolNode
+from pydantic import ValidationError
 
 from polykv_client import PolyKVClient
 from polykv_engine.testing import EngineProcess
@@ -22,6 +24,7 @@ from polykv_langgraph import (
     polykv_signals,
     pool_tools,
 )
+from polykv_langgraph.tools import NAME_PATTERN
 
 from .conftest import clean
 
@@ -33,9 +36,11 @@ CREW = [{"role": "system", "content": "You manage a crew of agents and their sha
 def test_an_agent_forks_a_pool_through_toolnode(smol: EngineProcess, pools: PolyKVClient) -> None:
     tree = PoolTree(pools)
     tree.root("crew", CREW)
-    tools = pool_tools(tree, pools=["crew"])
-    # Room for a chatty description argument: a call cut by max_tokens is an invalid call.
-    llm = PolyKVChatModel(base_url=smol.base_url, temperature=0, max_tokens=256, pool_id="crew")
+    # Bounded arguments: a name of at most 63 characters and 200 of instructions, so the
+    # whole call fits in max_tokens even at one token a character (SmolLM2 sometimes loops
+    # inside a string; the grammar then closes it instead of max_tokens cutting the call).
+    tools = pool_tools(tree, pools=["crew"], max_instructions=200)
+    llm = PolyKVChatModel(base_url=smol.base_url, temperature=0, max_tokens=384, pool_id="crew")
     caller = llm.bind_tools(tools, tool_choice="fork_pool", parallel_tool_calls=False)
 
     def agent(state: PolyKVState) -> dict[str, Any]:
@@ -67,6 +72,19 @@ def test_an_agent_forks_a_pool_through_toolnode(smol: EngineProcess, pools: Poly
     assert child in by_name["pool_status"].invoke({"pool": "crew"})
     again = by_name["create_pool"].invoke({"name": "crew", "instructions": "Other words."})
     assert '"error": "name_conflict"' in again
+
+
+def test_pool_tool_arguments_are_bounded_for_the_grammar(pools: PolyKVClient) -> None:
+    by_name = {t.name: t for t in pool_tools(PoolTree(pools), max_instructions=120)}
+    params = convert_to_openai_tool(by_name["fork_pool"])["function"]["parameters"]
+    assert params["properties"]["instructions"]["maxLength"] == 120
+    assert params["properties"]["name"]["pattern"] == NAME_PATTERN
+    # The same bounds refuse a call before it reaches the engine (ToolNode tells the model).
+    with pytest.raises(ValidationError, match="pattern"):
+        by_name["create_pool"].invoke({"name": "Not a name", "instructions": "x"})
+    with pytest.raises(ValidationError, match="at most 120"):
+        by_name["create_pool"].invoke({"name": "ok", "instructions": "x" * 121})
+    assert pools.list_pools().pools == []  # nothing was made
 
 
 @pytest.fixture(scope="module")

@@ -40,9 +40,11 @@ def timings(r: GenerationResult) -> Timings:
 
 
 def finish_reason(r: GenerationResult, tool_calls: bool = False) -> str:
-    if tool_calls:
-        return "tool_calls"
-    return "length" if r.stop_type == "limit" else "stop"
+    """As llama-server and OpenAI: a reply cut by max_tokens is "length" even when it
+    holds calls, whose arguments may then be unfinished JSON."""
+    if r.stop_type == "limit":
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
 
 
 def usage(r: GenerationResult) -> dict[str, Any]:

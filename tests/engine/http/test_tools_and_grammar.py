@@ -68,8 +68,10 @@ def test_required_tool_call_whole_and_streamed_agree(engine: EngineProcess) -> N
     client = oai(engine)
     kw: dict[str, Any] = dict(
         model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-        max_tokens=120, temperature=0,
+        parallel_tool_calls=False, max_tokens=120, temperature=0,
     )  # fmt: skip
+    # One call: the grammar then allows only the end of the reply, which even random
+    # weights reach (with parallel calls they may write blanks until max_tokens).
     whole = client.chat.completions.create(**kw).choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.tool_calls
     calls = [(c.function.name, check_call(c)) for c in whole.message.tool_calls]
@@ -123,6 +125,43 @@ def test_tool_loop_call_result_answer(engine: EngineProcess) -> None:
     ).choices[0]  # fmt: skip
     assert final.message.tool_calls is None
     assert isinstance(final.message.content, str) and final.finish_reason in ("stop", "length")
+
+
+def test_a_call_cut_by_max_tokens_replays_without_losing_the_conversation(
+    engine: EngineProcess,
+) -> None:
+    client = oai(engine)
+    kw: dict[str, Any] = dict(
+        model="m", messages=ASK, tools=[WEATHER], tool_choice="required",
+        parallel_tool_calls=False, temperature=0,
+    )  # fmt: skip
+    whole = client.chat.completions.create(**kw, max_tokens=120)
+    assert whole.usage is not None and whole.choices[0].finish_reason == "tool_calls"
+    # Cut a few tokens short of the whole call: named, its arguments not closed.
+    for short in range(2, 40):
+        cut = client.chat.completions.create(
+            **kw, max_tokens=whole.usage.completion_tokens - short
+        ).choices[0]
+        assert cut.finish_reason == "length" and cut.message.tool_calls
+        call = cut.message.tool_calls[0]
+        if not call.function.arguments.rstrip().endswith("}"):
+            break
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)  # the model's partial JSON, as it wrote it
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "error: the call was cut short"},
+    ]
+    again = client.chat.completions.create(
+        model="m", messages=history, tools=[WEATHER], tool_choice="required",
+        max_tokens=120, temperature=0,
+    ).choices[0]  # fmt: skip
+    assert again.message.tool_calls and check_call(again.message.tool_calls[0])["city"]
+    prompt = httpx.post(
+        f"{engine.base_url}/apply-template", json={"messages": history, "tools": [WEATHER]}
+    ).json()["prompt"]
+    assert call.function.arguments in prompt  # the model sees what it wrote
 
 
 def test_a_pool_of_messages_and_tools_is_shared_by_tool_using_agents(

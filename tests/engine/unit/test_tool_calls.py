@@ -197,6 +197,8 @@ def test_generic_history_renders_calls_and_results_as_its_json() -> None:
     assert json.loads(out[3]["content"])["tool_response"]["content"] == "18 C"
     hermes = render_history("hermes", msgs, [WEATHER["function"]])
     assert hermes[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
-    with pytest.raises(ToolError, match="not JSON"):
-        bad = [{**msgs[2], "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]
-        render_history("hermes", bad, [])
+    # A call cut short by max_tokens, replayed by the client: kept as the model wrote it.
+    cut = [{**msgs[2], "tool_calls": [{"function": {"name": "f", "arguments": '{"a": "10'}}]}]
+    assert render_history("hermes", cut, [])[0]["tool_calls"][0]["arguments"] == '{"a": "10'
+    generic = json.loads(render_history("generic", cut, [WEATHER["function"]])[1]["content"])
+    assert generic["tool_calls"][0]["arguments"] == '{"a": "10'
