@@ -163,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not share a prompt's prefix with other sessions' cells (pools still do)",
     )
     p.add_argument(
+        "--polykv-park-mib",
+        type=int,
+        default=1024,
+        help="host memory (MiB) for idle sessions' caches moved out of the KV cache while "
+        "other sessions decode, put back for their next turn (0: keep them resident)",
+    )
+    p.add_argument(
         "--no-polykv-pause-aware-admission",
         dest="pause_aware_admission",
         action="store_false",
@@ -256,6 +263,7 @@ def config_from_args(
         ("--port", args.port, 0),
         ("--polykv-pool-grace-ms", args.polykv_pool_grace_ms, 0),
         ("--polykv-max-queue", args.polykv_max_queue or 0, 0),
+        ("--polykv-park-mib", args.polykv_park_mib, 0),
     ):
         if value < low:
             parser.error(f"{name} must be >= {low}, got {value}")
@@ -306,6 +314,7 @@ def config_from_args(
         kv_debug=args.polykv_kv_debug,
         warmup=not args.no_warmup,
         auto_share=args.auto_share,
+        park_mib=args.polykv_park_mib,
         pause_aware_admission=args.pause_aware_admission,
         max_queue=(
             args.polykv_max_queue if args.polykv_max_queue is not None else 8 * args.parallel

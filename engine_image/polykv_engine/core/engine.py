@@ -76,6 +76,7 @@ class EngineConfig:
     warmup: bool = True  # run the model once before reporting ready (--no-warmup: skip)
     max_queue: int = 64  # requests waiting for a slot beyond which new ones get 503
     auto_share: bool = True  # share a prompt's prefix with any resident sequence (no pool)
+    park_mib: int = 1024  # host memory for idle caches parked out of KV (0: never park)
     pause_aware_admission: bool = True  # admission counts sessions between turns as load
 
 
@@ -109,8 +110,19 @@ class Engine:
     # ------------------------------------------------------------------ any thread
 
     @property
+    def _park_seq(self) -> int | None:
+        """The spare sequence id parking saves through (unified cache only: a split cache
+        gives each slot its own cells, which no other slot's decode reads)."""
+        cfg = self.cfg
+        alone = cfg.n_parallel == 1 and cfg.max_pools == 0  # nothing else ever computes
+        if cfg.park_mib <= 0 or not cfg.runtime.kv_unified or alone:
+            return None
+        return self.cfg.n_parallel + self.cfg.max_pools
+
+    @property
     def n_seq_max(self) -> int:
-        return self.cfg.n_parallel + self.cfg.max_pools + (1 if self.cfg.kv_debug else 0)
+        spare = (self._park_seq is not None) + self.cfg.kv_debug
+        return self.cfg.n_parallel + self.cfg.max_pools + spare
 
     def start(self) -> None:
         self._thread.start()
@@ -206,6 +218,8 @@ class Engine:
                 for i in range(self.cfg.n_parallel)
             ],
             self._kv,
+            self._park_seq if self._plain_kv else None,
+            self.cfg.park_mib << 20,
         )
         first = self.cfg.n_parallel
         self._pools = PoolManager(
@@ -421,6 +435,9 @@ class Engine:
 
     def _begin(self, slot: Slot, task: GenerateTask) -> None:
         now = time.perf_counter()
+        self.slots.park_due = True  # others may now be worth parking
+        restored = self.slots.unpark(slot, task.prompt if task.cache_prompt else [])
+        self._bump(kv_unparked_tokens=restored)
         p_shared = 0
         if task.pool is not None:
             try:
@@ -492,13 +509,17 @@ class Engine:
         )
 
     @property
+    def _plain_kv(self) -> bool:
+        """Cells can be shared and moved by position range: no sliding window recycling
+        them, no recurrent state."""
+        info = self.rt.info
+        return not (info.n_swa > 0 or info.is_recurrent or info.is_hybrid)
+
+    @property
     def _auto_share(self) -> bool:
         """Sharing cells between sequences is only sound where pools are (one unified KV
-        cache: a split cache gives every slot its own cells, so nothing can be shared; no
-        sliding window recycling cells, no recurrent state)."""
-        info = self.rt.info
-        plain = not (info.n_swa > 0 or info.is_recurrent or info.is_hybrid)
-        return self.cfg.auto_share and self.rt.cfg.kv_unified and plain
+        cache: a split cache gives every slot its own cells, so nothing can be shared)."""
+        return self.cfg.auto_share and self.rt.cfg.kv_unified and self._plain_kv
 
     def _resident_prefix(self, slot: Slot | None, prompt: list[int]) -> tuple[int, int]:
         """(sequence id, P): the resident sequence other than ``slot`` whose cells hold the
@@ -543,9 +564,7 @@ class Engine:
         if coming < SHARE_WAIT_MIN_TOKENS:
             return False
         own = self.slots.slot_of(task.session_id)
-        have = (
-            common_prefix_len(self.slots[own].cache_tokens, task.prompt) if own is not None else 0
-        )
+        have = common_prefix_len(self.slots[own].cached, task.prompt) if own is not None else 0
         if task.pool is not None:
             have = max(have, common_prefix_len(task.pool.tokens, task.prompt))
         _, resident = self._resident_prefix(None, task.prompt)
@@ -585,6 +604,11 @@ class Engine:
         t0 = time.perf_counter()
         batch = self._batch
         assert batch is not None
+        if self.slots.park_due:  # before the batch: new cells may then land low in the cache
+            parked = self.slots.park_idle()
+            self._bump(
+                kv_parked_tokens=parked.parked_tokens, kv_park_dropped_tokens=parked.dropped_tokens
+            )
         retried = False
         while True:
             build_batch(batch, self.slots.slots, self.pools)
@@ -867,6 +891,7 @@ class Engine:
             kv_cells_used=self._kv.used if self._kv is not None else 0,
             kv_cells_reclaimable=self._reclaimable(),
             kv_cells_total=rt.n_ctx if rt else 0,
+            kv_parked_bytes=self._slots.parked_bytes if self._slots is not None else 0,
             pools=pools,
             counters=self._counters,
             step_curve=self._step_timer.curve(),

@@ -2,7 +2,12 @@
 
 A slot is one sequence id of the unified cache (``0..n_parallel-1``) that serves one request
 at a time and keeps its cells afterwards as a prompt cache for the session's next turn.
-Engine thread only.
+
+Parking: in a unified cache every decode attends over the whole window of used cells, idle
+prompt caches included (masked, but computed). While other slots work, an idle slot's cells
+that nobody else holds are moved to host memory and put back, at the same positions, when
+its session's next turn begins: a memcpy instead of a prefill, and the busy slots stop paying
+for them. Engine thread only.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from polykv_engine.kv.cache import KVCache
 from polykv_engine.llama.runtime import Sampler
 from polykv_engine.policy.tps import SessionRate
 from polykv_engine.pools.tree import PoolError
+from polykv_engine.tokens import common_prefix_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +38,22 @@ class SlotView:
     last_used: float
 
 
+@dataclass(frozen=True, slots=True)
+class Parked:
+    """The private tail of an idle slot's cache, held in host memory."""
+
+    tokens: tuple[int, ...]  # at positions [len(slot.cache_tokens), ...) when put back
+    data: bytes  # llama.cpp's serialized cells
+
+
+@dataclass(frozen=True, slots=True)
+class ParkStats:
+    """What one parking pass did, for the engine's counters."""
+
+    parked_tokens: int = 0
+    dropped_tokens: int = 0  # parked tails discarded to stay within the budget
+
+
 @dataclass(slots=True)
 class Slot:
     """One decoding sequence. Mutated only on the engine thread."""
@@ -41,6 +63,7 @@ class Slot:
     rate: SessionRate
     state: SlotState = "idle"
     cache_tokens: list[int] = field(default_factory=list)  # exactly what is in KV for this seq
+    parked: Parked | None = None  # the cache's tail, out of KV while the slot is idle
     session_id: str | None = None
     pool_id: int | None = None  # the pool whose cells this slot's sequence starts with
     shared_prefix: int = 0  # how many leading cells are that pool's
@@ -62,9 +85,16 @@ class Slot:
     logits_idx: int = -1  # index in the current batch whose logits this slot samples
     batch_tokens: int = 0  # tokens this slot put in the current batch
 
+    @property
+    def cached(self) -> list[int]:
+        """The slot's whole prompt cache: resident cells, then the parked tail."""
+        if self.parked is None:
+            return self.cache_tokens
+        return [*self.cache_tokens, *self.parked.tokens]
+
     def view(self) -> SlotView:
         return SlotView(
-            self.slot_id, self.state == "idle", self.session_id, self.cache_tokens, self.last_used
+            self.slot_id, self.state == "idle", self.session_id, self.cached, self.last_used
         )
 
     def snapshot(self) -> SlotSnapshot:
@@ -80,7 +110,7 @@ class Slot:
             session_id=self.session_id,
             pool_id=self.pool_id,
             n_ctx=self.n_ctx,
-            ctx_used=len(self.cache_tokens),
+            ctx_used=len(self.cache_tokens) + (len(self.parked.tokens) if self.parked else 0),
             n_prompt=len(self.prompt),  # the running request's, else the last one's
             n_decoded=len(self.generated),
             n_remain=n_remain,
@@ -98,10 +128,74 @@ class Slot:
 class SlotTable:
     """All slots and the session → slot affinity. Engine thread only."""
 
-    def __init__(self, slots: list[Slot], kv: KVCache) -> None:
+    def __init__(
+        self, slots: list[Slot], kv: KVCache, scratch: int | None = None, park_budget: int = 0
+    ) -> None:
         self.slots = slots
         self.kv = kv
         self.session_slot: dict[str, int] = {}
+        # Parking needs a spare sequence id (to save just a tail) and a host-memory budget.
+        self.scratch = scratch if park_budget > 0 else None
+        self.park_budget = park_budget
+        self.park_due = False  # a slot began or ended: idle caches may be worth parking
+
+    @property
+    def parked_bytes(self) -> int:
+        return sum(len(s.parked.data) for s in self.slots if s.parked is not None)
+
+    def park_idle(self) -> ParkStats:
+        """Park the private cells of every idle slot (call while other slots compute).
+        The least recently used parked tails go first when the budget is full."""
+        self.park_due = False
+        if self.scratch is None:
+            return ParkStats()
+        parked = dropped = 0
+        per_token = self.kv.rt.kv_bytes_per_token
+        for slot in sorted(self.slots, key=lambda s: s.last_used):  # newest last: kept
+            if slot.state != "idle" or slot.parked is not None or not slot.cache_tokens:
+                continue
+            tail = len(slot.cache_tokens) - self.kv.model.private_from(slot.slot_id)
+            if tail <= 0 or tail * per_token > self.park_budget:
+                continue
+            dropped += self._fit(tail * per_token)
+            saved = self.kv.park(slot.slot_id, self.scratch)
+            if saved is None:
+                continue
+            p0, data = saved
+            slot.parked = Parked(tuple(slot.cache_tokens[p0:]), data)
+            del slot.cache_tokens[p0:]
+            parked += tail
+        return ParkStats(parked, dropped)
+
+    def _fit(self, need: int) -> int:
+        """Drop the least recently used parked tails until ``need`` more bytes fit."""
+        dropped = 0
+        by_age = sorted((s for s in self.slots if s.parked is not None), key=lambda s: s.last_used)
+        total = self.parked_bytes
+        for slot in by_age:
+            if total + need <= self.park_budget:
+                break
+            assert slot.parked is not None
+            total -= len(slot.parked.data)
+            dropped += len(slot.parked.tokens)
+            slot.parked = None
+        return dropped
+
+    def unpark(self, slot: Slot, prompt: list[int] | None = None) -> int:
+        """Before the slot serves ``prompt``: put its parked tail back when the prompt
+        reuses part of it (None: always), else let it go. Returns the tokens put back."""
+        parked, slot.parked = slot.parked, None
+        if parked is None or self.scratch is None:
+            return 0
+        if prompt is not None and common_prefix_len(
+            [*slot.cache_tokens, *parked.tokens], prompt
+        ) <= len(slot.cache_tokens):
+            return 0
+        n = len(parked.tokens)
+        if not self.kv.unpark(slot.slot_id, self.scratch, len(slot.cache_tokens), n, parked.data):
+            return 0  # no contiguous room: the prompt is computed again instead
+        slot.cache_tokens.extend(parked.tokens)
+        return n
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -129,12 +223,14 @@ class SlotTable:
         slot_id = self.session_slot.get(session_id)
         if slot_id is None:
             return None
+        self.unpark(self.slots[slot_id])
         return slot_id, list(self.slots[slot_id].cache_tokens)
 
     def forget_kv(self, slot: Slot) -> None:
         """Drop every cell of the slot's sequence; it holds nothing afterwards."""
         self.kv.clear(slot.slot_id)
         slot.cache_tokens.clear()
+        slot.parked = None
         slot.pool_id = None
         slot.shared_prefix = 0
 
@@ -147,7 +243,7 @@ class SlotTable:
         slot = self.slots[slot_id]
         if slot.state != "idle":
             raise PoolError(409, "slot_busy", f"slot {slot_id} is processing a request")
-        n = len(slot.cache_tokens)
+        n = len(slot.cached)
         self.forget_kv(slot)
         self.bind(slot, None)
         return n
@@ -163,3 +259,4 @@ class SlotTable:
         slot.task = None
         slot.state = "idle"
         slot.last_used = time.time()
+        self.park_due = True

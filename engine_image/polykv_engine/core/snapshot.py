@@ -77,6 +77,9 @@ class Counters:
     context_shifts: int = 0
     busy_slot_steps: int = 0  # Σ over decode calls of the slots in the batch
     auto_shared_tokens: int = 0  # prompt tokens shared from another sequence (no pool)
+    kv_parked_tokens: int = 0  # idle caches' cells moved to host memory
+    kv_unparked_tokens: int = 0  # parked cells put back for their session's next turn
+    kv_park_dropped_tokens: int = 0  # parked cells discarded to stay within the budget
     tokens_max: int = 0  # longest sequence seen (prompt + generation)
 
 
@@ -91,6 +94,7 @@ class EngineSnapshot:
     kv_cells_used: int = 0
     kv_cells_total: int = 0
     kv_cells_reclaimable: int = 0  # held only by idle prompt caches: free on demand
+    kv_parked_bytes: int = 0  # host memory holding parked idle caches
     pools: tuple[PoolSnapshot, ...] = ()
     counters: Counters = field(default_factory=Counters)
     step_curve: StepCurve = field(default_factory=StepCurve)  # decode step time by batch size

@@ -31,6 +31,13 @@ _COUNTERS: list[tuple[str, str, str]] = [
     ("step_seconds", "step_seconds", "Time spent in engine steps, decode included"),
     ("kv_cache_full", "kv_full_events", "Times llama_decode found no free KV cells"),
     ("context_shifts", "context_shifts", "Context shifts performed"),
+    ("kv_parked_tokens", "kv_parked_tokens", "Idle caches' cells moved to host memory"),
+    ("kv_unparked_tokens", "kv_unparked_tokens", "Parked cells put back for a next turn"),
+    (
+        "kv_park_dropped_tokens",
+        "kv_park_dropped_tokens",
+        "Parked cells discarded to stay within --polykv-park-mib",
+    ),
 ]
 
 
@@ -69,6 +76,9 @@ class EngineCollector(Collector):
         yield gauge("sessions_warming", "Sessions decoding with no rate yet", active.n_warming)
         yield gauge("kv_cells_used", "KV cells holding tokens", snap.kv_cells_used)
         yield gauge("kv_cells_total", "KV cells in the cache", snap.kv_cells_total)
+        yield gauge(
+            "kv_parked_bytes", "Host memory holding parked idle caches", snap.kv_parked_bytes
+        )
         steps = GaugeMetricFamily(
             "polykv_decode_step_seconds",
             "Measured time of a decode-only step, by sessions in the batch (admission's curve)",

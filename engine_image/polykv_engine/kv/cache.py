@@ -63,6 +63,34 @@ class KVCache:
         self.rt.seq_add(seq, n_keep + n_discard, n_past, -n_discard)
         self.model.remove_range(seq, n_keep, n_keep + n_discard)
 
+    def park(self, seq: int, scratch: int) -> tuple[int, bytes] | None:
+        """Move the cells only ``seq`` holds (its tail from some position p0 on) out of the
+        cache into host memory: (p0, their serialized data), or None when it has none.
+        ``scratch`` is an empty sequence id, used to save just that tail."""
+        p0 = self.model.private_from(seq)
+        if p0 >= self.model.length(seq):
+            return None
+        self.rt.seq_cp(seq, scratch, p0, -1)
+        try:
+            data = self.rt.seq_save(scratch)
+        finally:
+            self.rt.seq_rm(scratch)
+        self.truncate(seq, p0)
+        return p0, data
+
+    def unpark(self, seq: int, scratch: int, p0: int, n: int, data: bytes) -> bool:
+        """Put back ``n`` parked cells at positions [p0, p0 + n) of ``seq``, which must end
+        at p0. False (nothing changed) when the cache has no contiguous room for them."""
+        if self.model.length(seq) != p0:
+            raise ValueError(f"seq {seq} has {self.model.length(seq)} positions, not {p0}")
+        if not self.rt.seq_load(scratch, data):
+            return False
+        self.version += 1
+        self.rt.seq_cp(scratch, seq, p0, -1)
+        self.rt.seq_rm(scratch)
+        self.model.append(seq, n)
+        return True
+
     @property
     def used(self) -> int:
         return self.model.used

@@ -80,6 +80,15 @@ class KVModel:
         """True when a cell of ``seq`` at a position >= pos also belongs to another sequence."""
         return any(self._refs[c] > 1 for c in self._seqs.get(seq, [])[pos:])
 
+    def private_from(self, seq: int) -> int:
+        """The first position from which every cell of ``seq`` is its alone (its length
+        when the last cell is shared)."""
+        cells = self._seqs.get(seq, [])
+        p = len(cells)
+        while p > 0 and self._refs[cells[p - 1]] == 1:
+            p -= 1
+        return p
+
     def freed_by_clearing(self, seqs: Iterable[int]) -> int:
         """Cells that would be freed if every sequence in ``seqs`` were cleared: those no
         other sequence holds."""

@@ -543,6 +543,21 @@ class LlamaRuntime:
         self._check_seq(seq)
         C.llama_memory_seq_add(self._mem, seq, p0, p1, delta)
 
+    def seq_save(self, seq: int) -> bytes:
+        """The cells of ``seq`` (tokens' positions and K/V rows), serialized by llama.cpp."""
+        self._check_seq(seq)
+        size = int(C.llama_state_seq_get_size(self.ctx, seq))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(C.llama_state_seq_get_data(self.ctx, buf, size, seq))
+        return ctypes.string_at(buf, n)  # not bytes(buf[:n]): that builds a list of ints
+
+    def seq_load(self, seq: int, data: bytes) -> bool:
+        """Put saved cells back, into the empty ``seq`` at their saved positions. False when
+        llama.cpp finds no contiguous run of free cells for them (``seq`` stays empty)."""
+        self._check_seq(seq)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return int(C.llama_state_seq_set_data(self.ctx, buf, len(data), seq)) > 0
+
     def seq_pos_min(self, seq: int) -> int:
         """The smallest position ``seq`` still holds (-1 when empty). With a sliding-window
         cache this is the SWA layers' view: cells that fell out of the window are reused."""

@@ -24,6 +24,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["--no-kv-unified"], "pools need a unified KV cache"),
         (["-np", "0"], "--parallel must be >= 1"),
         (["--polykv-max-pools", "-1"], "--polykv-max-pools must be >= 0"),
+        (["--polykv-park-mib", "-1"], "--polykv-park-mib must be >= 0"),
         (["--polykv-tps-interval-ms", "5"], "between 50 and 60000"),
         (["-fa", "sometimes"], "invalid choice"),
         (["-fa", "off", "-ctv", "q8_0"], "needs flash attention"),

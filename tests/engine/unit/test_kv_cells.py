@@ -50,3 +50,15 @@ def test_kv_model_replace_swaps_own_cells_for_the_sources() -> None:
     assert kv.owners([("pool", 10, 0), ("s0", 0, 0)]) == {"pool": 40, "s0": 20}
     with pytest.raises(ValueError):
         kv.replace(10, 0, 30, 50)  # the pool holds no position 40
+
+
+def test_private_from_is_where_a_sequences_own_tail_starts() -> None:
+    m = KVModel()
+    m.append(0, 5)
+    assert m.private_from(0) == 0  # all its own
+    m.copy(0, 1, 0, 3)  # seq 1 shares the first three cells
+    m.append(1, 2)
+    assert m.private_from(0) == 3 and m.private_from(1) == 3
+    m.copy(0, 2, 0, 5)  # seq 2 shares all of seq 0: nothing of seq 0 is private
+    assert m.private_from(0) == 5
+    assert m.private_from(9) == 0  # an empty sequence

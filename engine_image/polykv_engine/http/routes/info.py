@@ -42,7 +42,7 @@ def polykv_props(ctx: AppContext) -> PolykvProps:
         version=__version__,
         n_parallel=cfg.n_parallel,
         max_pools=cfg.max_pools,
-        seq_ids_max=ctx.engine.n_seq_max,
+        seq_ids_max=cfg.n_parallel + cfg.max_pools,  # usable: internal spares are not
         kv_unified=cfg.runtime.kv_unified,
         n_ctx=rt.n_ctx,
         n_ctx_slot=ctx.engine.snapshot.n_ctx_slot,
