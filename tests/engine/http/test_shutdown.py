@@ -28,7 +28,7 @@ def test_sigterm_drains_in_flight_streams(start_engine: Callable[..., EngineProc
         with httpx.stream("POST", f"{eng.base_url}/completion", json=body, timeout=60) as r:
             for data in sse_events(r):
                 ev = json.loads(data)
-                if ev["stop"]:
+                if ev.get("stop", True):
                     got["final"] = ev
                 else:
                     n += 1
@@ -51,5 +51,5 @@ def test_sigterm_drains_in_flight_streams(start_engine: Callable[..., EngineProc
     assert r.status_code == 503 and r.headers["Retry-After"].isdigit()
     t.join(60)
     final = got["final"]
-    assert isinstance(final, dict) and final["tokens_predicted"] == 1500  # finished, not cut
+    assert isinstance(final, dict) and final.get("tokens_predicted") == 1500, final  # not cut
     assert eng.proc.wait(30) == 0
