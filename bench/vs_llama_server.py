@@ -114,6 +114,10 @@ class Config:
     shared_prefix_tokens: int = SHARED_PREFIX_TOKENS
     stagger_s: float = 0.5
     answer_tokens: int = 16
+    # The same -fa for every server. "on" is both servers' CPU default (llama-server's auto
+    # resolves to it on a CPU, and so does the engine's); results recorded before this
+    # setting existed ran with "off", hence the dataclass default.
+    flash_attn: str = "off"
 
 
 @dataclass
@@ -211,7 +215,7 @@ def llama_server_info(binary: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def servers(model: Path, cfg: Config, binary: str) -> Iterator[list[Server]]:
-    common = ["-np", str(N_SLOTS), "-c", str(CTX), "-t", str(cfg.threads), "-fa", "off"]
+    common = ["-np", str(N_SLOTS), "-c", str(CTX), "-t", str(cfg.threads), "-fa", cfg.flash_attn]
     for var in OMP_VARS:  # children inherit no wait policy: each server runs its own default
         os.environ.pop(var, None)
     with contextlib.ExitStack() as stack:
@@ -436,7 +440,7 @@ def llama_server_run(
             "-t",
             str(cfg.threads),
             "-fa",
-            "off",
+            cfg.flash_attn,
             "--host",
             "127.0.0.1",
             "--port",
@@ -489,7 +493,7 @@ def measure_shared(cfg: Config, binary: str, model: str, raw: dict[str, Any]) ->
         "-t",
         str(cfg.threads),
         "-fa",
-        "off",
+        cfg.flash_attn,
         "--metrics",
     ]
     with H.http_client() as client, H.engine("polykv-shared", path, args) as eng:
@@ -696,7 +700,8 @@ def render_decode(cfg: Config, res: dict[str, Any]) -> list[str]:
         "### Plain decode against upstream llama-server",
         "",
         f"{cfg.n_predict} greedy tokens per stream, EOS ignored, k distinct prompts released "
-        f"together; `-np {N_SLOTS} -c {CTX} -t {cfg.threads} -fa off` for every server; "
+        f"together; `-np {N_SLOTS} -c {CTX} -t {cfg.threads} -fa {cfg.flash_attn}` for every "
+        "server; "
         "llama-server built from the llama.cpp tree the engine runs on "
         "(`bench/build_llama_server.sh`, same portable CPU build). Aggregate decode tok/s, "
         f"median (min–max) of {cfg.reps} repetitions in rotated server order; ratios are "
@@ -763,7 +768,8 @@ def render_shared(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> list
         + "; PolyKV with automatic prefix sharing, no pool; PolyKV with the prefix as a pool, "
         "created before the agents (its time apart, not in theirs) and attached by "
         "`pool_id`. PolyKV runs start with every slot erased and every pool released. "
-        f"Both: `-np {AGENTS} -c {SHARED_CTX} -t {cfg.threads} -fa off`; llama-server splits "
+        f"Both: `-np {AGENTS} -c {SHARED_CTX} -t {cfg.threads} -fa {cfg.flash_attn}`; "
+        "llama-server splits "
         f"that context into {SLOT_CTX} cells per slot (an explicit `-np` turns its unified KV "
         "off), the engine keeps one unified cache. First token: measured by the client from "
         f"each agent's own send; median (min–max) of {cfg.reps} repetitions in rotated server "
@@ -880,6 +886,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="shared section: the agents' common prefix",
     )
     p.add_argument("--stagger-s", type=float, default=0.5, help="staggered arrivals: the gap")
+    p.add_argument(
+        "--flash-attn",
+        choices=("on", "off"),
+        default="on",
+        help="-fa for every server (on: what both run by default on a CPU)",
+    )
     H.add_output_flags(p, rerender=True)
     args = p.parse_args(argv)
     if args.from_json:
@@ -891,6 +903,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sections=args.sections,
         shared_prefix_tokens=args.prefix_tokens,
         stagger_s=args.stagger_s,
+        flash_attn=args.flash_attn,
     )
     if args.quick:
         cfg.reps, cfg.n_predict, cfg.levels = 1, 16, (1, 8)
