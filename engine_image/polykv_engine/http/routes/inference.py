@@ -39,6 +39,7 @@ from polykv_engine.core.tasks import (
 )
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.errors import ApiError, parse
+from polykv_engine.http.mailbox import mailbox
 from polykv_engine.http.responses import Logprobs, ResponseBuilder
 from polykv_engine.ids import decimal
 from polykv_engine.llama.grammar import ANY_JSON_OBJECT, Grammar, GrammarError
@@ -56,11 +57,11 @@ class QueueSink:
     """Carries engine events into the asyncio loop (``emit`` runs on the engine thread)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self._mailbox = mailbox(loop)
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
 
     def emit(self, event: Event) -> None:
-        self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        self._mailbox.post(self.queue, event)
 
 
 def _sampling(req: SamplingFields, grammar: Grammar | None) -> SamplingParams:

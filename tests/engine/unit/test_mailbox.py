@@ -1,0 +1,45 @@
+"""The loop mailbox: events from another thread arrive in order, one wake-up per burst."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from polykv_engine.http.mailbox import mailbox
+
+
+def test_a_burst_from_another_thread_arrives_in_order_with_one_wake_up() -> None:
+    async def main() -> tuple[list[int], list[int], int]:
+        loop = asyncio.get_running_loop()
+        box = mailbox(loop)
+        assert mailbox(loop) is box  # one per loop
+        a: asyncio.Queue[int] = asyncio.Queue()
+        b: asyncio.Queue[int] = asyncio.Queue()
+        wakes = 0
+        real = loop.call_soon_threadsafe
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal wakes
+            wakes += 1
+            return real(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        try:
+
+            def engine_step() -> None:  # what a decode step of two streams posts
+                for i in range(50):
+                    box.post(a, i)
+                    box.post(b, 100 + i)
+
+            t = threading.Thread(target=engine_step)
+            t.start()
+            t.join()  # the loop is not running meanwhile: all 100 posts are one burst
+            got_a = [await a.get() for _ in range(50)]
+            got_b = [await b.get() for _ in range(50)]
+        finally:
+            loop.call_soon_threadsafe = real  # type: ignore[method-assign]
+        return got_a, got_b, wakes
+
+    got_a, got_b, wakes = asyncio.run(main())
+    assert got_a == list(range(50)) and got_b == list(range(100, 150))
+    assert wakes == 1
