@@ -56,6 +56,15 @@ def oai(engine: EngineProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{engine.base_url}/v1", api_key="unused", max_retries=0)
 
 
+def answered(call: Any, result: str) -> list[dict[str, Any]]:
+    """ASK, the assistant's call, and the tool's result: the history of the next turn."""
+    return [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": result},
+    ]
+
+
 def check_call(call: Any) -> dict[str, Any]:
     fn = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]
     args = json.loads(call.function.arguments)
@@ -114,11 +123,7 @@ def test_tool_loop_call_result_answer(engine: EngineProcess) -> None:
     ).choices[0].message  # fmt: skip
     assert first.tool_calls
     call = first.tool_calls[0]
-    history = [
-        *ASK,
-        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-        {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"},
-    ]
+    history = answered(call, "18 C and sunny")
     final = client.chat.completions.create(
         model="m", messages=history, tools=[WEATHER], tool_choice="none",
         max_tokens=16, temperature=0,
@@ -148,11 +153,7 @@ def test_a_call_cut_by_max_tokens_replays_without_losing_the_conversation(
             break
     with pytest.raises(ValueError):
         json.loads(call.function.arguments)  # the model's partial JSON, as it wrote it
-    history = [
-        *ASK,
-        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-        {"role": "tool", "tool_call_id": call.id, "content": "error: the call was cut short"},
-    ]
+    history = answered(call, "error: the call was cut short")
     again = client.chat.completions.create(
         model="m", messages=history, tools=[WEATHER], tool_choice="required",
         max_tokens=120, temperature=0,
