@@ -534,6 +534,10 @@ class Config:
             "-fa",
             fa,
             "--metrics",
+            # Parking off: every session's cache stays in the KV cache, so "KV in use"
+            # compares sharing alone (parked caches would leave it, in host memory).
+            "--polykv-park-mib",
+            "0",
         ]
 
     def engines(self) -> list[EngineSpec]:
@@ -866,7 +870,9 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         f"suffixes of {SUFFIX_MIN}–{SUFFIX_MAX} tokens (the same in every mode; new ones of "
         "the same lengths for the warm-cache turn), one "
         f"greedy token per session, the k sessions released at once; `-np {N_PARALLEL} -c "
-        f"{CTX} -t {cfg.threads} -fa off`. Time to first token measured by the client, "
+        f"{CTX} -t {cfg.threads} -fa off --polykv-park-mib 0` (no parking: every cache stays "
+        "in the KV cache, so the KV table compares sharing alone). Time to first token "
+        "measured by the client, "
         f"median over the k sessions (slowest in brackets), then median (min–max) of "
         f"{cfg.reps} repeats. *Per-slot cache, warm*: the turn after a no-sharing turn, "
         "`cache_prompt: true`, each slot reusing the prefix it already holds (a cold per-slot "

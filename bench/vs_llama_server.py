@@ -495,6 +495,10 @@ def measure_shared(cfg: Config, binary: str, model: str, raw: dict[str, Any]) ->
         "-fa",
         cfg.flash_attn,
         "--metrics",
+        # Parking off: caches of agents that finished early stay in the KV cache and count in
+        # "KV in use" (llama-server's host-memory cache is not counted either).
+        "--polykv-park-mib",
+        "0",
     ]
     with H.http_client() as client, H.engine("polykv-shared", path, args) as eng:
         assert eng.proc is not None
@@ -767,7 +771,8 @@ def render_shared(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> list
         + (f" ({stated})" if stated else "")
         + "; PolyKV with automatic prefix sharing, no pool; PolyKV with the prefix as a pool, "
         "created before the agents (its time apart, not in theirs) and attached by "
-        "`pool_id`. PolyKV runs start with every slot erased and every pool released. "
+        "`pool_id`. PolyKV runs start with every slot erased and every pool released, with "
+        "parking off (`--polykv-park-mib 0`), so every cache counts in KV in use. "
         f"Both: `-np {AGENTS} -c {SHARED_CTX} -t {cfg.threads} -fa {cfg.flash_attn}`; "
         "llama-server splits "
         f"that context into {SLOT_CTX} cells per slot (an explicit `-np` turns its unified KV "
