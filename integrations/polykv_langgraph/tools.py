@@ -140,8 +140,10 @@ def _schema(title: str, /, **fields: Any) -> type[BaseModel]:
     return create_model(title, **fields)
 
 
-# A new pool's name: a Kubernetes-style label, so the operator can adopt it as a resource.
-NAME_PATTERN = "^[a-z0-9][a-z0-9-]{0,62}$"
+# A new pool's name: a Kubernetes-style label (so the operator can adopt it) that starts with
+# a letter, so never all digits: a subset of the engine's names (pools/tree.py NAME_RE, whose
+# lookahead no grammar can take), hence enforceable while the model writes it.
+NAME_PATTERN = "^[a-z][a-z0-9-]{0,62}$"
 
 
 def pool_tools(
@@ -165,7 +167,7 @@ def pool_tools(
     new_name = (
         str,
         Field(
-            description="a name for the new pool (lowercase letters, digits, -)",
+            description="a name for the new pool (lowercase letters, digits, -; a letter first)",
             pattern=NAME_PATTERN,
         ),
     )

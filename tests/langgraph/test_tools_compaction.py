@@ -82,6 +82,8 @@ def test_pool_tool_arguments_are_bounded_for_the_grammar(pools: PolyKVClient) ->
     # The same bounds refuse a call before it reaches the engine (ToolNode tells the model).
     with pytest.raises(ValidationError, match="pattern"):
         by_name["create_pool"].invoke({"name": "Not a name", "instructions": "x"})
+    with pytest.raises(ValidationError, match="pattern"):  # all digits: the engine's ids
+        by_name["create_pool"].invoke({"name": "123", "instructions": "x"})
     with pytest.raises(ValidationError, match="at most 120"):
         by_name["create_pool"].invoke({"name": "ok", "instructions": "x" * 121})
     assert pools.list_pools().pools == []  # nothing was made

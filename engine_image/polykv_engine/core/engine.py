@@ -118,7 +118,7 @@ class Engine:
         alone = cfg.n_parallel == 1 and cfg.max_pools == 0  # nothing else ever computes
         if cfg.park_mib <= 0 or not cfg.runtime.kv_unified or alone:
             return None
-        return self.cfg.n_parallel + self.cfg.max_pools
+        return cfg.n_parallel + cfg.max_pools
 
     @property
     def n_seq_max(self) -> int:

@@ -86,6 +86,11 @@ class Slot:
     batch_tokens: int = 0  # tokens this slot put in the current batch
 
     @property
+    def cache_len(self) -> int:
+        """Tokens in the slot's whole prompt cache, resident and parked."""
+        return len(self.cache_tokens) + (len(self.parked.tokens) if self.parked else 0)
+
+    @property
     def cached(self) -> list[int]:
         """The slot's whole prompt cache: resident cells, then the parked tail."""
         if self.parked is None:
@@ -110,7 +115,7 @@ class Slot:
             session_id=self.session_id,
             pool_id=self.pool_id,
             n_ctx=self.n_ctx,
-            ctx_used=len(self.cache_tokens) + (len(self.parked.tokens) if self.parked else 0),
+            ctx_used=self.cache_len,
             n_prompt=len(self.prompt),  # the running request's, else the last one's
             n_decoded=len(self.generated),
             n_remain=n_remain,
@@ -134,8 +139,8 @@ class SlotTable:
         self.slots = slots
         self.kv = kv
         self.session_slot: dict[str, int] = {}
-        # Parking needs a spare sequence id (to save just a tail) and a host-memory budget.
-        self.scratch = scratch if park_budget > 0 else None
+        # Parking needs a spare sequence id (to save just a tail); None: never park.
+        self.scratch = scratch
         self.park_budget = park_budget
         self.park_due = False  # a slot began or ended: idle caches may be worth parking
 
@@ -154,14 +159,12 @@ class SlotTable:
         for slot in sorted(self.slots, key=lambda s: s.last_used):  # newest last: kept
             if slot.state != "idle" or slot.parked is not None or not slot.cache_tokens:
                 continue
-            tail = len(slot.cache_tokens) - self.kv.model.private_from(slot.slot_id)
+            p0 = self.kv.model.private_from(slot.slot_id)
+            tail = len(slot.cache_tokens) - p0
             if tail <= 0 or tail * per_token > self.park_budget:
                 continue
             dropped += self._fit(tail * per_token)
-            saved = self.kv.park(slot.slot_id, self.scratch)
-            if saved is None:
-                continue
-            p0, data = saved
+            data = self.kv.park(slot.slot_id, self.scratch, p0)
             slot.parked = Parked(tuple(slot.cache_tokens[p0:]), data)
             del slot.cache_tokens[p0:]
             parked += tail
@@ -243,7 +246,7 @@ class SlotTable:
         slot = self.slots[slot_id]
         if slot.state != "idle":
             raise PoolError(409, "slot_busy", f"slot {slot_id} is processing a request")
-        n = len(slot.cached)
+        n = slot.cache_len
         self.forget_kv(slot)
         self.bind(slot, None)
         return n

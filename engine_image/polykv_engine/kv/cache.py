@@ -63,20 +63,17 @@ class KVCache:
         self.rt.seq_add(seq, n_keep + n_discard, n_past, -n_discard)
         self.model.remove_range(seq, n_keep, n_keep + n_discard)
 
-    def park(self, seq: int, scratch: int) -> tuple[int, bytes] | None:
-        """Move the cells only ``seq`` holds (its tail from some position p0 on) out of the
-        cache into host memory: (p0, their serialized data), or None when it has none.
-        ``scratch`` is an empty sequence id, used to save just that tail."""
-        p0 = self.model.private_from(seq)
-        if p0 >= self.model.length(seq):
-            return None
+    def park(self, seq: int, scratch: int, p0: int) -> bytes:
+        """Move positions [p0, end) of ``seq``, cells only it holds (``model.private_from``),
+        out of the cache: their serialized data. ``scratch`` is an empty sequence id, used to
+        save just that tail."""
         self.rt.seq_cp(seq, scratch, p0, -1)
         try:
             data = self.rt.seq_save(scratch)
         finally:
             self.rt.seq_rm(scratch)
         self.truncate(seq, p0)
-        return p0, data
+        return data
 
     def unpark(self, seq: int, scratch: int, p0: int, n: int, data: bytes) -> bool:
         """Put back ``n`` parked cells at positions [p0, p0 + n) of ``seq``, which must end
