@@ -214,7 +214,7 @@ class RuntimeConfig:
     n_gpu_layers: int = 0
     kv_unified: bool = True
     kv_debug: bool = False  # let measure_used_cells read llama.cpp's own used-cell count
-    flash_attn: str = "auto"  # on | off | auto (auto = on only when layers are offloaded)
+    flash_attn: str = "auto"  # on | off | auto (auto: on for CPU layers, else llama.cpp decides)
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     repack: bool = True  # weights repacked into the CPU's fastest layout (--no-repack: off)

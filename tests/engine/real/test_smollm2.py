@@ -19,8 +19,9 @@ pytestmark = pytest.mark.real_model
 
 SYSTEM = "You are a helpful assistant."
 QUESTION = "What is the capital of France?"
-# f32 KV: batched and solo runs agree to ~1e-6, so greedy texts compare exactly.
-EXACT_KV = ("-ctk", "f32", "-ctv", "f32")
+# f32 KV and the reference attention kernel: batched and solo runs agree to ~1e-6, so greedy
+# texts compare exactly (flash attention sums by batch shape: tests/engine/http/conftest.py).
+EXACT_KV = ("-ctk", "f32", "-ctv", "f32", "-fa", "off")
 
 
 @pytest.fixture(scope="module")
