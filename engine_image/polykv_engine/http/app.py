@@ -124,8 +124,8 @@ async def serve(
     ctx.draining = True
     deadline = time.monotonic() + settings.shutdown_timeout_s
     while time.monotonic() < deadline:
-        snap = engine.snapshot
-        if snap.n_processing == 0 and snap.n_waiting == 0:
+        snap = engine.snapshot  # lags a just-submitted task, hence in_flight too
+        if ctx.in_flight == 0 and snap.n_processing == 0 and snap.n_waiting == 0:
             break
         await asyncio.sleep(0.1)
     await asyncio.to_thread(engine.stop)

@@ -45,6 +45,7 @@ class AppContext:
     settings: ServerSettings
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     draining: bool = False
+    in_flight: int = 0  # requests the engine owes an answer (the SIGTERM drain waits on it)
     gate: AdmissionGate | None = None
     pool_gauges: list[PoolGauges] = field(default_factory=list)
     _renderer: ChatRenderer | None = None

@@ -178,6 +178,24 @@ async def _run(
         raise ApiError(
             503, "server is shutting down", headers={"Retry-After": "5"}, reason="shutting_down"
         )
+    # Counted from here (no await since the check) to the last byte of a stream: the drain
+    # on SIGTERM waits for this count, since the engine's snapshot lags a just-submitted task.
+    ctx.in_flight += 1
+    try:
+        return await _admitted(request, ctx, req, task, sink, builder, include_usage)
+    finally:
+        ctx.in_flight -= 1
+
+
+async def _admitted(
+    request: web.Request,
+    ctx: AppContext,
+    req: SamplingFields,
+    task: GenerateTask,
+    sink: QueueSink,
+    builder: ResponseBuilder,
+    include_usage: bool,
+) -> web.StreamResponse:
     assert ctx.gate is not None
     if ctx.engine.snapshot.n_waiting >= ctx.engine.cfg.max_queue:
         ctx.gate.record_refusal(task, None)
