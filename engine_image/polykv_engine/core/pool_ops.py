@@ -56,10 +56,10 @@ def release(e: Engine, ref: PoolRef) -> int:
 
 def listing(e: Engine, boot_id: str, ref: PoolRef | None = None) -> PoolList:
     """Status of every pool, or of ``ref``'s subtree (the pool first)."""
-    full = pool_listing.render(
-        e.pools, e.slots.snapshots(), boot_id, e.rt.n_ctx, e.measure_used_cells()
+    root = e.pools.tree.resolve(ref) if ref is not None else None
+    return pool_listing.render(
+        e.pools, e.slots.snapshots(), boot_id, e.rt.n_ctx, e.measure_used_cells(), root
     )
-    return full if ref is None else pool_listing.subtree_only(full, e.pools, ref)
 
 
 def erase_slot(e: Engine, slot_id: int) -> int:

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from polykv_api.models import AdmissionReason, Capacity, Reason
 from polykv_engine.core.engine import Engine
-from polykv_engine.core.snapshot import EngineSnapshot, PoolSnapshot
+from polykv_engine.core.snapshot import EngineSnapshot, PoolSnapshot, SlotSnapshot
 from polykv_engine.core.tasks import GenerateTask
 from polykv_engine.http.errors import ApiError
 from polykv_engine.http.metrics import PoolCounters
@@ -230,9 +230,13 @@ class AdmissionGate:
         """(floor pressure, active sessions, refused in the last minute, headroom)."""
         snap = self.engine.snapshot
         now = time.monotonic()
+        by_pool: dict[int, list[SlotSnapshot]] = {}
+        for s in snap.slots:
+            if s.pool_id is not None:
+                by_pool.setdefault(s.pool_id, []).append(s)
         loads = []
         for pool in snap.pools:
-            members = [s for s in snap.slots if s.pool_id == pool.pool_id]
+            members = by_pool.get(pool.pool_id, [])
             rates = active_rates((s.state == "decoding", s.warming, s.tps_ewma) for s in members)
             floor = pool.admission.target_tps_per_session if pool.admission else None
             loads.append(PoolLoad(floor, rates.n_active, rates.tps_sum))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from polykv_api.models import PoolList, PoolRef, PoolSession, PoolStatus
+from polykv_api.models import PoolList, PoolSession, PoolStatus
 from polykv_engine.kv.cells import KVModel
 from polykv_engine.policy.tps import ActiveRates, active_rates
 from polykv_engine.pools.manager import AttachedSlot, PoolManager
@@ -27,7 +27,11 @@ def render(
     boot_id: str,
     n_ctx: int,
     measured: int | None,
+    root: Pool | None = None,
 ) -> PoolList:
+    """Every pool's status, or only those of ``root``'s subtree (root first): ownership is
+    still attributed over the whole tree, but only the statuses asked for are built, so a
+    create or a pin answers in time independent of how many other pools there are."""
     tree = pools.tree
     model = pools.kv.model
     order: list[tuple[object, int, int]] = [
@@ -60,8 +64,9 @@ def render(
             implicit_shared_tokens=implicit,
         )
 
+    subject = list(tree.parents_first(root))
     statuses: dict[int, PoolStatus] = {}
-    for pool in reversed(list(tree.parents_first())):  # children before parents
+    for pool in reversed(subject):  # children before parents
         members = pools.sessions_of(pool, slots)
         attached = [session(s, pool) for s in members]
         rates = _rates(members)
@@ -96,7 +101,7 @@ def render(
             mean_active_tps=rates.mean,
             admission=pool.admission,
         )
-    ordered = [statuses[p.pool_id] for p in tree.parents_first()]
+    ordered = [statuses[p.pool_id] for p in subject]
     unpooled = [
         session(s, None)
         for s in slots
@@ -122,14 +127,6 @@ def render(
         active_tps_sum=everyone.tps_sum,
         mean_active_tps=everyone.mean,
     )
-
-
-def subtree_only(listing: PoolList, pools: PoolManager, ref: PoolRef) -> PoolList:
-    """The listing cut to ``ref``'s subtree, the pool itself first."""
-    pool = pools.tree.resolve(ref)
-    keep = {pool.pool_id, *(d.pool_id for d in pools.tree.descendants(pool))}
-    listing.pools = [p for p in listing.pools if p.pool_id in keep]
-    return listing
 
 
 def path_of(pools: PoolManager, pool: Pool) -> str:

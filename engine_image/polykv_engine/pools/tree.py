@@ -125,9 +125,10 @@ class PoolTree:
     def roots(self) -> list[Pool]:
         return [p for p in self.pools.values() if p.parent_id is None]
 
-    def parents_first(self) -> Iterator[Pool]:
-        """Every pool, each after its parent (pre-order by id)."""
-        stack = sorted(self.roots(), key=lambda p: -p.pool_id)
+    def parents_first(self, root: Pool | None = None) -> Iterator[Pool]:
+        """Every pool (or ``root``'s subtree, root first), each after its parent (pre-order
+        by id)."""
+        stack = [root] if root is not None else sorted(self.roots(), key=lambda p: -p.pool_id)
         while stack:
             pool = stack.pop()
             yield pool

@@ -411,3 +411,28 @@ def test_session_lookup_says_where_a_session_lives(client: httpx.Client) -> None
     assert body["ctx_used"] > 0 and body["state"] == "idle"
     missing = client.get("/polykv/sessions/nobody-here")
     assert missing.status_code == 404 and missing.json()["error"]["reason"] == "session_not_found"
+
+
+def test_one_pools_answers_match_the_whole_listing(pc: httpx.Client) -> None:
+    # A pin, a GET or a create builds only the statuses it returns; ownership must still be
+    # attributed over every pool (a fork's cells below its branch point belong to its parent,
+    # outside a GET of the fork's subtree), so every figure must be what the listing says.
+    create(pc, prompt=SYSTEM, name="other")
+    r = complete(pc, SYSTEM + "Question one?", 8, pool_id="other", session_id="s-other")
+    assert r.status_code == 200, r.text
+    create(pc, prompt=SYSTEM + TOOLS_B, name="top")
+    fork(pc, "top", prompt=SYSTEM + TOOLS_B + TOOLS_A, name="a")
+    fork(pc, "a", prompt=SYSTEM + TOOLS_B + TOOLS_A + "Plan first. ", name="a1")
+    fork(pc, "top", prompt=SYSTEM + TOOLS_B + "Review. ", name="b")
+    whole = check_accounting(pc)
+    by_name = {p["name"]: p for p in whole["pools"]}
+    assert by_name["a"]["own_kv_bytes"] < by_name["a"]["prefix_len"] * whole["kv_bytes_per_token"]
+    for name in ("other", "top", "a", "a1", "b"):
+        detail = pc.get(f"/polykv/pools/{name}", headers=ADMIN).json()
+        descendants = detail.pop("descendants")
+        detail.pop("boot_id")
+        assert detail == by_name[name]
+        below = [p for p in whole["pools"] if name in p["path"].split("/")[:-1]]
+        assert descendants == below
+    pinned = pc.post("/polykv/pools/a/pin", headers=ADMIN).json()
+    assert pinned == {**by_name["a"], "pinned": True, "pinned_explicit": True}

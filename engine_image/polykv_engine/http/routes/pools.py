@@ -25,6 +25,7 @@ from polykv_api.models import (
     PoolPrefix,
     PoolRef,
     PoolReleased,
+    PoolStatus,
 )
 from polykv_engine.core import pool_ops
 from polykv_engine.core.engine import Engine
@@ -54,17 +55,31 @@ async def on_engine(ctx: AppContext, fn: Callable[[Engine], T]) -> T:
         ctx.in_flight -= 1
 
 
-async def pool_listing(ctx: AppContext, ref: PoolRef | None = None) -> PoolList:
-    """The engine's listing plus each pool's capacity summary from the admission gate."""
-    listing = await on_engine(ctx, lambda e: pool_ops.listing(e, ctx.boot_id, ref))
-    snap = ctx.engine.snapshot
+async def pool_listing(ctx: AppContext) -> PoolList:
+    """Every pool with its capacity, and the engine-wide autoscaling signals."""
+    listing = await on_engine(ctx, lambda e: pool_ops.listing(e, ctx.boot_id))
+    _add_capacity(ctx, listing.pools)
     assert ctx.gate is not None
     pressure, active, refused, headroom = ctx.gate.autoscale()
     listing.floor_pressure = pressure
     listing.sessions_active = active
     listing.sessions_refused = refused
     listing.sessions_headroom = headroom
-    for status in listing.pools:
+    return listing
+
+
+async def subtree(ctx: AppContext, ref: PoolRef) -> list[PoolStatus]:
+    """``ref``'s status first, then its descendants', each with its capacity: built for
+    those pools alone, so the answer costs the same with 10 or 250 other pools."""
+    listing = await on_engine(ctx, lambda e: pool_ops.listing(e, ctx.boot_id, ref))
+    _add_capacity(ctx, listing.pools)
+    return listing.pools
+
+
+def _add_capacity(ctx: AppContext, statuses: list[PoolStatus]) -> None:
+    snap = ctx.engine.snapshot
+    assert ctx.gate is not None
+    for status in statuses:
         pool = snap.pool(status.pool_id)
         if pool is None:
             continue
@@ -77,7 +92,6 @@ async def pool_listing(ctx: AppContext, ref: PoolRef | None = None) -> PoolList:
             settling=cap.settling,
             compaction_pressure=cap.compaction_pressure,
         )
-    return listing
 
 
 def _ref(request: web.Request) -> PoolRef:
@@ -132,8 +146,7 @@ async def _create(request: web.Request, req: PoolPrefix, parent: PoolRef | None)
     except PoolError as exc:
         raise _api_error(exc) from exc
     pool_id = result.pool.pool_id
-    listing = await pool_listing(ctx, pool_id)
-    status = listing.pools[0]
+    status = (await subtree(ctx, pool_id))[0]
     body = PoolCreated(
         created=result.created,
         pool=status,
@@ -164,8 +177,7 @@ def _action(name: pool_ops.Action) -> Callable[[web.Request], Any]:
         ctx = ctx_of(request)
         ref = _ref(request)
         await on_engine(ctx, lambda e: pool_ops.act(e, ref, name))
-        listing = await pool_listing(ctx, ref)
-        return web.json_response(listing.pools[0].model_dump())
+        return web.json_response((await subtree(ctx, ref))[0].model_dump())
 
     handler.__name__ = f"{name}_pool"
     return handler
@@ -197,10 +209,8 @@ async def list_pools(request: web.Request) -> web.Response:
 async def get_pool(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     ref = _ref(request)
-    listing = await pool_listing(ctx, ref)
-    body = PoolDetail(
-        **listing.pools[0].model_dump(), descendants=listing.pools[1:], boot_id=ctx.boot_id
-    )
+    pool, *descendants = await subtree(ctx, ref)
+    body = PoolDetail(**pool.model_dump(), descendants=descendants, boot_id=ctx.boot_id)
     return web.json_response(body.model_dump())
 
 
@@ -208,8 +218,7 @@ async def _apply_admission(request: web.Request, policy: AdmissionPolicy | None)
     ctx = ctx_of(request)
     ref = _ref(request)
     await on_engine(ctx, lambda e: pool_ops.set_admission(e, ref, policy))
-    listing = await pool_listing(ctx, ref)
-    return web.json_response(listing.pools[0].model_dump())
+    return web.json_response((await subtree(ctx, ref))[0].model_dump())
 
 
 async def set_admission(request: web.Request) -> web.Response:
