@@ -22,11 +22,11 @@ class LoopMailbox:
         self._items: deque[tuple[asyncio.Queue[Any], Any]] = deque()
         self._scheduled = False
 
-    def post(self, queue: asyncio.Queue[Any], item: Any) -> None:
-        """Any thread: ``item`` reaches ``queue`` on the loop, after everything posted
-        before it."""
+    def post(self, queue: asyncio.Queue[Any], *items: Any) -> None:
+        """Any thread: ``items`` reach ``queue`` on the loop in order, after everything
+        posted before them."""
         with self._lock:
-            self._items.append((queue, item))
+            self._items.extend((queue, item) for item in items)
             if self._scheduled:
                 return
             self._scheduled = True

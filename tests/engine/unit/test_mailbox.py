@@ -23,7 +23,7 @@ def test_a_burst_from_another_thread_arrives_in_order_with_one_wake_up() -> None
             wakes += 1
             return real(*args, **kwargs)
 
-        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
         try:
 
             def engine_step() -> None:  # what a decode step of two streams posts
@@ -43,3 +43,36 @@ def test_a_burst_from_another_thread_arrives_in_order_with_one_wake_up() -> None
     got_a, got_b, wakes = asyncio.run(main())
     assert got_a == list(range(50)) and got_b == list(range(100, 150))
     assert wakes == 1
+
+
+def test_a_whole_response_wakes_the_loop_once_a_stream_per_burst() -> None:
+    from polykv_engine.core.tasks import ErrorEvent, Event, TokenEvent
+    from polykv_engine.http.routes.inference import QueueSink
+
+    async def main(stream: bool) -> tuple[list[Event], int]:
+        loop = asyncio.get_running_loop()
+        sink = QueueSink(loop, stream)
+        wakes = 0
+        real = loop.call_soon_threadsafe
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal wakes
+            wakes += 1
+            return real(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
+        try:
+            for i in range(5):  # five decode steps, the loop draining after each
+                sink.emit(TokenEvent(text=f"t{i}", token=i))
+                await asyncio.sleep(0)
+            sink.emit(ErrorEvent(500, "server_error", "stopped"))
+            got = [await sink.queue.get() for _ in range(6)]
+        finally:
+            loop.call_soon_threadsafe = real  # type: ignore[method-assign]
+        assert sink.queue.empty()
+        return got, wakes
+
+    for stream, expected_wakes in ((False, 1), (True, 6)):
+        got, wakes = asyncio.run(main(stream))
+        assert [e.token for e in got[:5] if isinstance(e, TokenEvent)] == list(range(5))
+        assert isinstance(got[5], ErrorEvent) and wakes == expected_wakes, (stream, wakes)

@@ -54,14 +54,26 @@ REHOMED_HEADER = "x-polykv-rehomed"  # set by polykv-router on a continuation it
 
 
 class QueueSink:
-    """Carries engine events into the asyncio loop (``emit`` runs on the engine thread)."""
+    """Carries engine events into the asyncio loop (``emit`` runs on the engine thread).
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    A whole (non-streamed) response reads its tokens only at the end, so its tokens wait on
+    the engine side and travel with the final event: one loop wake-up per request instead of
+    one per token, each of which would take a core from the compute threads mid-decode.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool) -> None:
         self._mailbox = mailbox(loop)
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._held: list[TokenEvent] | None = None if stream else []
 
     def emit(self, event: Event) -> None:
-        self._mailbox.post(self.queue, event)
+        if self._held is None:
+            self._mailbox.post(self.queue, event)
+        elif isinstance(event, TokenEvent):
+            self._held.append(event)
+        else:
+            held, self._held = self._held, []
+            self._mailbox.post(self.queue, *held, event)
 
 
 def _sampling(req: SamplingFields, grammar: Grammar | None) -> SamplingParams:
@@ -336,7 +348,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
     if req.json_schema is not None:
         grammar = _schema_grammar(req.json_schema, "json_schema")
     prompt = ctx.tokenize_prompt(req.prompt)
-    sink = QueueSink(asyncio.get_running_loop())
+    sink = QueueSink(asyncio.get_running_loop(), req.stream)
     task = _task_from(
         req,
         prompt,
@@ -355,7 +367,7 @@ async def oai_completion(request: web.Request) -> web.StreamResponse:
     ctx = ctx_of(request)
     req = await parse(request, OAICompletionRequest)
     prompt = ctx.tokenize_prompt(req.prompt)
-    sink = QueueSink(asyncio.get_running_loop())
+    sink = QueueSink(asyncio.get_running_loop(), req.stream)
     n_predict = -1 if req.max_tokens is None else req.max_tokens
     task = _task_from(req, prompt, n_predict, request, sink, logprobs=req.logprobs)
     echo = req.prompt if req.echo and isinstance(req.prompt, str) else None
@@ -387,7 +399,7 @@ async def oai_chat(request: web.Request) -> web.StreamResponse:
         grammar = plan.grammar
     text = ctx.render_chat(req)
     prompt = ctx.check_prompt_fits(ctx.rt.tokenize(text, add_special=True, parse_special=True))
-    sink = QueueSink(asyncio.get_running_loop())
+    sink = QueueSink(asyncio.get_running_loop(), req.stream)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     task = _task_from(
         req,
