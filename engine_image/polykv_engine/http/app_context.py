@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +51,16 @@ class AppContext:
     gate: AdmissionGate | None = None
     pool_gauges: list[PoolGauges] = field(default_factory=list)
     _renderer: ChatRenderer | None = None
+
+    @contextlib.contextmanager
+    def owed(self) -> Iterator[None]:
+        """A request the engine owes an answer, counted until its last byte: the SIGTERM
+        drain waits for the count, since the engine's snapshot lags a just-submitted task."""
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
 
     @property
     def rt(self) -> LlamaRuntime:

@@ -4,8 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+from polykv_engine.core.tasks import ErrorEvent, Event, TokenEvent
 from polykv_engine.http.mailbox import mailbox
+from polykv_engine.http.routes.inference import QueueSink
+
+
+@contextmanager
+def counting_wakes(loop: asyncio.AbstractEventLoop) -> Iterator[list[int]]:
+    """Counts the loop's cross-thread wake-ups (``call_soon_threadsafe``) in ``[n]``."""
+    wakes = [0]
+    real = loop.call_soon_threadsafe
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        wakes[0] += 1
+        return real(*args, **kwargs)
+
+    loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
+    try:
+        yield wakes
+    finally:
+        loop.call_soon_threadsafe = real  # type: ignore[method-assign]
 
 
 def test_a_burst_from_another_thread_arrives_in_order_with_one_wake_up() -> None:
@@ -15,16 +36,7 @@ def test_a_burst_from_another_thread_arrives_in_order_with_one_wake_up() -> None
         assert mailbox(loop) is box  # one per loop
         a: asyncio.Queue[int] = asyncio.Queue()
         b: asyncio.Queue[int] = asyncio.Queue()
-        wakes = 0
-        real = loop.call_soon_threadsafe
-
-        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-            nonlocal wakes
-            wakes += 1
-            return real(*args, **kwargs)
-
-        loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
-        try:
+        with counting_wakes(loop) as wakes:
 
             def engine_step() -> None:  # what a decode step of two streams posts
                 for i in range(50):
@@ -36,9 +48,7 @@ def test_a_burst_from_another_thread_arrives_in_order_with_one_wake_up() -> None
             t.join()  # the loop is not running meanwhile: all 100 posts are one burst
             got_a = [await a.get() for _ in range(50)]
             got_b = [await b.get() for _ in range(50)]
-        finally:
-            loop.call_soon_threadsafe = real  # type: ignore[method-assign]
-        return got_a, got_b, wakes
+        return got_a, got_b, wakes[0]
 
     got_a, got_b, wakes = asyncio.run(main())
     assert got_a == list(range(50)) and got_b == list(range(100, 150))
@@ -46,31 +56,17 @@ def test_a_burst_from_another_thread_arrives_in_order_with_one_wake_up() -> None
 
 
 def test_a_whole_response_wakes_the_loop_once_a_stream_per_burst() -> None:
-    from polykv_engine.core.tasks import ErrorEvent, Event, TokenEvent
-    from polykv_engine.http.routes.inference import QueueSink
-
     async def main(stream: bool) -> tuple[list[Event], int]:
         loop = asyncio.get_running_loop()
         sink = QueueSink(loop, stream)
-        wakes = 0
-        real = loop.call_soon_threadsafe
-
-        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-            nonlocal wakes
-            wakes += 1
-            return real(*args, **kwargs)
-
-        loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
-        try:
+        with counting_wakes(loop) as wakes:
             for i in range(5):  # five decode steps, the loop draining after each
                 sink.emit(TokenEvent(text=f"t{i}", token=i))
                 await asyncio.sleep(0)
             sink.emit(ErrorEvent(500, "server_error", "stopped"))
             got = [await sink.queue.get() for _ in range(6)]
-        finally:
-            loop.call_soon_threadsafe = real  # type: ignore[method-assign]
         assert sink.queue.empty()
-        return got, wakes
+        return got, wakes[0]
 
     for stream, expected_wakes in ((False, 1), (True, 6)):
         got, wakes = asyncio.run(main(stream))

@@ -190,55 +190,38 @@ async def _run(
         raise ApiError(
             503, "server is shutting down", headers={"Retry-After": "5"}, reason="shutting_down"
         )
-    # Counted from here (no await since the check) to the last byte of a stream: the drain
-    # on SIGTERM waits for this count, since the engine's snapshot lags a just-submitted task.
-    ctx.in_flight += 1
-    try:
-        return await _admitted(request, ctx, req, task, sink, builder, include_usage)
-    finally:
-        ctx.in_flight -= 1
-
-
-async def _admitted(
-    request: web.Request,
-    ctx: AppContext,
-    req: SamplingFields,
-    task: GenerateTask,
-    sink: QueueSink,
-    builder: ResponseBuilder,
-    include_usage: bool,
-) -> web.StreamResponse:
-    assert ctx.gate is not None
-    if ctx.engine.snapshot.n_waiting >= ctx.engine.cfg.max_queue:
-        ctx.gate.record_refusal(task, None)
-        raise ApiError(
-            503,
-            f"the engine queue is full ({ctx.engine.cfg.max_queue} requests wait for a slot)",
-            headers={"Retry-After": "2"},
-            reason="queue_full",
-        )
-    rehomed = request.headers.get(REHOMED_HEADER, "") in ("1", "true")
-    extra_headers = await ctx.gate.admit(task, req.overcommit, rehomed)
-    ctx.engine.submit(task)
-    done = False
-    try:
-        if req.stream:
-            resp = await _stream(
-                request, ctx, req, task, sink, builder, include_usage, extra_headers
-            )
-        else:
-            resp = await _whole(ctx, req, task, sink, builder, extra_headers)
-        done = True
-        return resp
-    except ApiError as exc:
-        if exc.reason == "queue_full":  # turned away: demand the autoscaler must see
+    with ctx.owed():  # no await since the draining check: the drain sees this request
+        assert ctx.gate is not None
+        if ctx.engine.snapshot.n_waiting >= ctx.engine.cfg.max_queue:
             ctx.gate.record_refusal(task, None)
-        raise
-    finally:
-        ctx.gate.finished(task)
-        if not done:
-            # Client gone (handler cancelled) or write failed: free the slot now.
-            ctx.engine.cancel(task.task_id)
+            raise ApiError(
+                503,
+                f"the engine queue is full ({ctx.engine.cfg.max_queue} requests wait for a slot)",
+                headers={"Retry-After": "2"},
+                reason="queue_full",
+            )
+        rehomed = request.headers.get(REHOMED_HEADER, "") in ("1", "true")
+        extra_headers = await ctx.gate.admit(task, req.overcommit, rehomed)
+        ctx.engine.submit(task)
+        done = False
+        try:
+            if req.stream:
+                resp = await _stream(
+                    request, ctx, req, task, sink, builder, include_usage, extra_headers
+                )
+            else:
+                resp = await _whole(ctx, req, task, sink, builder, extra_headers)
+            done = True
+            return resp
+        except ApiError as exc:
+            if exc.reason == "queue_full":  # turned away: demand the autoscaler must see
+                ctx.gate.record_refusal(task, None)
+            raise
+        finally:
+            ctx.gate.finished(task)
+            if not done:
+                # Client gone (handler cancelled) or write failed: free the slot now.
+                ctx.engine.cancel(task.task_id)
 
 
 async def _whole(

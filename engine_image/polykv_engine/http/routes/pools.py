@@ -46,13 +46,11 @@ def _api_error(exc: PoolError) -> ApiError:
 async def on_engine(ctx: AppContext, fn: Callable[[Engine], T]) -> T:
     """Run ``fn`` on the engine thread; a PoolError becomes the matching HTTP error."""
     ctx.require_ready()
-    ctx.in_flight += 1  # a pool's prefill is work the SIGTERM drain must wait for
-    try:
-        return await asyncio.wrap_future(ctx.engine.call(fn))
-    except PoolError as exc:
-        raise _api_error(exc) from exc
-    finally:
-        ctx.in_flight -= 1
+    with ctx.owed():  # a pool's prefill is work the SIGTERM drain must wait for
+        try:
+            return await asyncio.wrap_future(ctx.engine.call(fn))
+        except PoolError as exc:
+            raise _api_error(exc) from exc
 
 
 async def pool_listing(ctx: AppContext) -> PoolList:
