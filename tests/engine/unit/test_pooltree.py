@@ -82,3 +82,19 @@ def test_parent_with_children_cannot_be_removed() -> None:
     t.remove(root)
     assert not t.pools
     t.check_invariants()
+
+
+def test_pre_order_of_the_tree_and_of_a_subtree_after_adds_and_removes() -> None:
+    t = tree(8)
+    a = t.add(t.plan_root([1, 2], "a"))
+    b = t.add(t.plan_root([5, 6], "b"))
+    a1 = t.add(t.plan_fork(a, [1, 2, 3], None, "a1"))
+    assert [p.name for p in t.parents_first()] == ["a", "a1", "b"]
+    t.add(t.plan_fork(b, [5, 6, 7], None, "b1"))
+    t.add(t.plan_fork(a1, [1, 2, 3, 4], None, "a11"))
+    assert [p.name for p in t.parents_first()] == ["a", "a1", "a11", "b", "b1"]
+    assert [p.name for p in t.parents_first(a1)] == ["a1", "a11"]
+    t.remove(t.resolve("a11"))
+    t.remove(a1)
+    assert [p.name for p in t.parents_first()] == ["a", "b", "b1"]
+    t.check_invariants()
