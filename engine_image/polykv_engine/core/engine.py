@@ -62,7 +62,8 @@ SHARE_WAIT_MIN_TOKENS = 64
 
 # While sessions decode, the snapshot (every slot and pool, copied) is published at most this
 # often instead of after every step: at 240 pools it was 3.8% of a one-stream step. A
-# finished request, a control call and the engine going idle still publish at once.
+# finished request, a control call, a slot changing phase and the engine going idle still
+# publish at once; only rates and counts wait.
 PUBLISH_EVERY_S = 0.01
 
 T = TypeVar("T")
@@ -107,6 +108,7 @@ class Engine:
         self._kv: KVCache | None = None
         self._answers: list[tuple[GenerateTask, DoneEvent]] = []
         self._published_at = 0.0
+        self._published_phases: tuple[tuple[str, bool], ...] = ()
         """Finished requests, answered right after the snapshot that shows them is out."""
         self._pools: PoolManager | None = None
         self._slots: SlotTable | None = None
@@ -202,7 +204,14 @@ class Engine:
                     self._step()
                     self._bump(busy_seconds=time.perf_counter() - t0)
                     busy = self._busy()
-                if self._answers or not busy or t0 - self._published_at >= PUBLISH_EVERY_S:
+                phases = self._phases()
+                if (
+                    self._answers
+                    or not busy
+                    or phases != self._published_phases
+                    or t0 - self._published_at >= PUBLISH_EVERY_S
+                ):
+                    self._published_phases = phases
                     self._publish()
         except BaseException:
             log.exception("engine loop crashed")
@@ -888,6 +897,11 @@ class Engine:
             self._counters = replace(c, **{k: getattr(c, k) + v for k, v in self._deltas.items()})
             self._deltas = {}
         return self._counters
+
+    def _phases(self) -> tuple[tuple[str, bool], ...]:
+        """Each slot's state and whether its rate is still warming: a change publishes at
+        once (a whole short turn can pass inside one publishing interval)."""
+        return tuple((s.state, s.rate.warming) for s in self.slots.slots)
 
     def _publish(self, ready: bool | None = None) -> None:
         now = self._published_at = time.perf_counter()
