@@ -107,9 +107,9 @@ class Engine:
         self._stop_requested = False
         self._kv: KVCache | None = None
         self._answers: list[tuple[GenerateTask, DoneEvent]] = []
+        """Finished requests, answered right after the snapshot that shows them is out."""
         self._published_at = 0.0
         self._published_phases: tuple[tuple[str, bool], ...] = ()
-        """Finished requests, answered right after the snapshot that shows them is out."""
         self._pools: PoolManager | None = None
         self._slots: SlotTable | None = None
         self.pools_disabled_reason: str | None = None
@@ -204,14 +204,12 @@ class Engine:
                     self._step()
                     self._bump(busy_seconds=time.perf_counter() - t0)
                     busy = self._busy()
-                phases = self._phases()
                 if (
                     self._answers
                     or not busy
-                    or phases != self._published_phases
                     or t0 - self._published_at >= PUBLISH_EVERY_S
+                    or self._phases() != self._published_phases
                 ):
-                    self._published_phases = phases
                     self._publish()
         except BaseException:
             log.exception("engine loop crashed")
@@ -901,10 +899,11 @@ class Engine:
     def _phases(self) -> tuple[tuple[str, bool], ...]:
         """Each slot's state and whether its rate is still warming: a change publishes at
         once (a whole short turn can pass inside one publishing interval)."""
-        return tuple((s.state, s.rate.warming) for s in self.slots.slots)
+        return tuple((s.state, s.rate.warming) for s in self._slots.slots) if self._slots else ()
 
     def _publish(self, ready: bool | None = None) -> None:
         now = self._published_at = time.perf_counter()
+        self._published_phases = self._phases()
         slots = tuple(self._slots.snapshots()) if self._slots is not None else ()
         pools = (
             tuple(

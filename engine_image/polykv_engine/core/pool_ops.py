@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from polykv_api.models import AdmissionPolicy, PoolList, PoolRef
+from polykv_api.models import AdmissionPolicy, PoolList, PoolRef, PoolStatus
 from polykv_engine.core.engine import Engine
 from polykv_engine.pools import listing as pool_listing
 from polykv_engine.pools.manager import CreateResult, PoolSpec
@@ -54,12 +54,16 @@ def release(e: Engine, ref: PoolRef) -> int:
     return pool.pool_id
 
 
-def listing(e: Engine, boot_id: str, ref: PoolRef | None = None) -> PoolList:
-    """Status of every pool, or of ``ref``'s subtree (the pool first)."""
-    root = e.pools.tree.resolve(ref) if ref is not None else None
+def listing(e: Engine, boot_id: str) -> PoolList:
+    """Status of every pool and the engine-wide figures."""
     return pool_listing.render(
-        e.pools, e.slots.snapshots(), boot_id, e.rt.n_ctx, e.measure_used_cells(), root
+        e.pools, e.slots.snapshots(), boot_id, e.rt.n_ctx, e.measure_used_cells()
     )
+
+
+def subtree(e: Engine, ref: PoolRef) -> list[PoolStatus]:
+    """Status of ``ref`` and of its descendants, the pool first."""
+    return pool_listing.subtree(e.pools, e.slots.snapshots(), e.pools.tree.resolve(ref))
 
 
 def erase_slot(e: Engine, slot_id: int) -> int:

@@ -21,91 +21,105 @@ def _rates(slots: Sequence[AttachedSlot]) -> ActiveRates:
     return active_rates((s.state == "decoding", s.warming, s.tps_ewma) for s in slots)
 
 
+class _Attribution:
+    """Every cell attributed to its first claimant (pools parents first, then sessions),
+    and the statuses built on it."""
+
+    def __init__(self, pools: PoolManager, slots: Sequence[AttachedSlot]) -> None:
+        self.pools, self.slots = pools, slots
+        self.model = pools.kv.model
+        order: list[tuple[object, int, int]] = [
+            (("pool", p.pool_id), p.seq_id, p.branch_pos)
+            for p in pools.tree.parents_first()
+            if p.seq_id is not None
+        ]
+        order += [(("slot", s.slot_id), s.slot_id, 0) for s in slots]
+        self.owned = self.model.owners(order)
+        self.slot_seqs = [s.slot_id for s in slots]
+
+    def session(self, s: AttachedSlot, pool: Pool | None) -> PoolSession:
+        shared = (
+            self.model.common_cells(s.slot_id, pool.seq_id)
+            if pool is not None and pool.seq_id is not None
+            else 0
+        )
+        return PoolSession(
+            session_id=s.session_id,
+            slot=s.slot_id,
+            shared_prefix_tokens=shared,
+            suffix_n_tokens=s.ctx_used - shared,
+            marginal_kv_bytes=self.owned.get(("slot", s.slot_id), 0) * self.pools.bpt,
+            tps_ewma=s.tps_ewma,
+            ttft_ms=s.ttft_ms,
+            state=s.state,
+            implicit_shared_tokens=self.model.shared_with(s.slot_id, self.slot_seqs),
+        )
+
+    def statuses(self, root: Pool | None) -> list[PoolStatus]:
+        """Every pool's status, or only ``root``'s subtree's (root first), parents first."""
+        pools, slots, tree = self.pools, self.slots, self.pools.tree
+        subject = list(tree.parents_first(root))
+        statuses: dict[int, PoolStatus] = {}
+        for pool in reversed(subject):  # children before parents
+            members = pools.sessions_of(pool, slots)
+            attached = [self.session(s, pool) for s in members]
+            rates = _rates(members)
+            own = self.owned.get(("pool", pool.pool_id), 0) * pools.bpt
+            subtree = own + sum(a.marginal_kv_bytes for a in attached)
+            subtree += sum(statuses[c].subtree_kv_bytes for c in pool.children)
+            parent = tree.pools.get(pool.parent_id) if pool.parent_id is not None else None
+            statuses[pool.pool_id] = PoolStatus(
+                pool_id=pool.pool_id,
+                name=pool.name,
+                parent=pool.parent_id,
+                parent_name=parent.name if parent else None,
+                branch_pos=pool.branch_pos,
+                prefix_len=pool.prefix_len,
+                prefix_hash=pool.prefix_hash,
+                own_kv_bytes=own,
+                subtree_kv_bytes=subtree,
+                residency=pool.residency,
+                pinned=pools.is_pinned(pool, slots),
+                pinned_explicit=pool.pinned,
+                orphaned_pin=pool.pinned and not attached and not pool.children,
+                created_ts=pool.created_ts,
+                last_access_ts=pool.last_access_ts,
+                depth=tree.depth(pool),
+                path=path_of(pools, pool),
+                children=sorted(pool.children),
+                sessions=attached,
+                seq_id=pool.seq_id,
+                n_active=rates.n_active,
+                n_warming=rates.n_warming,
+                active_tps_sum=rates.tps_sum,
+                mean_active_tps=rates.mean,
+                admission=pool.admission,
+            )
+        return [statuses[p.pool_id] for p in subject]
+
+
+def subtree(pools: PoolManager, slots: Sequence[AttachedSlot], root: Pool) -> list[PoolStatus]:
+    """``root``'s status, then its descendants': ownership is attributed over every pool,
+    but only these statuses are built, so a create or a pin answers in time independent of
+    how many other pools there are."""
+    return _Attribution(pools, slots).statuses(root)
+
+
 def render(
     pools: PoolManager,
     slots: Sequence[AttachedSlot],
     boot_id: str,
     n_ctx: int,
     measured: int | None,
-    root: Pool | None = None,
 ) -> PoolList:
-    """Every pool's status, or only those of ``root``'s subtree (root first): ownership is
-    still attributed over the whole tree, but only the statuses asked for are built, so a
-    create or a pin answers in time independent of how many other pools there are."""
-    tree = pools.tree
-    model = pools.kv.model
-    order: list[tuple[object, int, int]] = [
-        (("pool", p.pool_id), p.seq_id, p.branch_pos)
-        for p in tree.parents_first()
-        if p.seq_id is not None
-    ]
-    order += [(("slot", s.slot_id), s.slot_id, 0) for s in slots]
-    owned = model.owners(order)
-    bpt = pools.bpt
-
-    slot_seqs = [s.slot_id for s in slots]
-
-    def session(s: AttachedSlot, pool: Pool | None) -> PoolSession:
-        shared = (
-            model.common_cells(s.slot_id, pool.seq_id)
-            if pool is not None and pool.seq_id is not None
-            else 0
-        )
-        implicit = model.shared_with(s.slot_id, slot_seqs)
-        return PoolSession(
-            session_id=s.session_id,
-            slot=s.slot_id,
-            shared_prefix_tokens=shared,
-            suffix_n_tokens=s.ctx_used - shared,
-            marginal_kv_bytes=owned.get(("slot", s.slot_id), 0) * bpt,
-            tps_ewma=s.tps_ewma,
-            ttft_ms=s.ttft_ms,
-            state=s.state,
-            implicit_shared_tokens=implicit,
-        )
-
-    subject = list(tree.parents_first(root))
-    statuses: dict[int, PoolStatus] = {}
-    for pool in reversed(subject):  # children before parents
-        members = pools.sessions_of(pool, slots)
-        attached = [session(s, pool) for s in members]
-        rates = _rates(members)
-        own = owned.get(("pool", pool.pool_id), 0) * bpt
-        subtree = own + sum(a.marginal_kv_bytes for a in attached)
-        subtree += sum(statuses[c].subtree_kv_bytes for c in pool.children)
-        parent = tree.pools.get(pool.parent_id) if pool.parent_id is not None else None
-        statuses[pool.pool_id] = PoolStatus(
-            pool_id=pool.pool_id,
-            name=pool.name,
-            parent=pool.parent_id,
-            parent_name=parent.name if parent else None,
-            branch_pos=pool.branch_pos,
-            prefix_len=pool.prefix_len,
-            prefix_hash=pool.prefix_hash,
-            own_kv_bytes=own,
-            subtree_kv_bytes=subtree,
-            residency=pool.residency,
-            pinned=pools.is_pinned(pool, slots),
-            pinned_explicit=pool.pinned,
-            orphaned_pin=pool.pinned and not attached and not pool.children,
-            created_ts=pool.created_ts,
-            last_access_ts=pool.last_access_ts,
-            depth=tree.depth(pool),
-            path=path_of(pools, pool),
-            children=sorted(pool.children),
-            sessions=attached,
-            seq_id=pool.seq_id,
-            n_active=rates.n_active,
-            n_warming=rates.n_warming,
-            active_tps_sum=rates.tps_sum,
-            mean_active_tps=rates.mean,
-            admission=pool.admission,
-        )
-    ordered = [statuses[p.pool_id] for p in subject]
+    """The whole listing: every pool, the sessions outside pools, engine-wide figures."""
+    attribution = _Attribution(pools, slots)
+    ordered = attribution.statuses(None)
+    model, tree, bpt = attribution.model, pools.tree, pools.bpt
     unpooled = [
-        session(s, None)
+        attribution.session(s, None)
         for s in slots
-        if s.pool_id is None and owned.get(("slot", s.slot_id), 0) > 0
+        if s.pool_id is None and attribution.owned.get(("slot", s.slot_id), 0) > 0
     ]
     everyone = _rates(slots)
     n_slots = len(slots)
@@ -120,7 +134,7 @@ def render(
         kv_bytes_per_token=bpt,
         kv_bytes_used=model.used * bpt,
         unpooled_sessions=unpooled,
-        implicit_shared_cells=len(_cells_of_many(model, slot_seqs)),
+        implicit_shared_cells=len(_cells_of_many(model, attribution.slot_seqs)),
         kv_cells_measured=measured,
         n_active=everyone.n_active,
         n_warming=everyone.n_warming,

@@ -69,9 +69,9 @@ async def pool_listing(ctx: AppContext) -> PoolList:
 async def subtree(ctx: AppContext, ref: PoolRef) -> list[PoolStatus]:
     """``ref``'s status first, then its descendants', each with its capacity: built for
     those pools alone, so the answer costs the same with 10 or 250 other pools."""
-    listing = await on_engine(ctx, lambda e: pool_ops.listing(e, ctx.boot_id, ref))
-    _add_capacity(ctx, listing.pools)
-    return listing.pools
+    statuses = await on_engine(ctx, lambda e: pool_ops.subtree(e, ref))
+    _add_capacity(ctx, statuses)
+    return statuses
 
 
 def _add_capacity(ctx: AppContext, statuses: list[PoolStatus]) -> None:
