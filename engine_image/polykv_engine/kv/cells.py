@@ -101,13 +101,9 @@ class KVModel:
         """Cells of ``seq`` that some other sequence holds too."""
         return sum(1 for c in self._seqs.get(seq, ()) if self._refs[c] > 1)
 
-    def shared_with(self, seq: int, others: Iterable[int]) -> int:
-        """Cells of ``seq`` that any of ``others`` holds too."""
-        theirs: set[int] = set()
-        for other in others:
-            if other != seq:
-                theirs.update(self._seqs.get(other, ()))
-        return sum(1 for c in self._seqs.get(seq, ()) if c in theirs)
+    def count_in(self, seq: int, cells: set[int]) -> int:
+        """How many cells of ``seq`` are in ``cells``."""
+        return sum(1 for c in self._seqs.get(seq, ()) if c in cells)
 
     def common_cells(self, a: int, b: int) -> int:
         """How many leading positions ``a`` and ``b`` hold in the very same cells."""

@@ -9,6 +9,7 @@ twice.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 
 from polykv_api.models import PoolList, PoolSession, PoolStatus
 from polykv_engine.kv.cells import KVModel
@@ -37,6 +38,11 @@ class _Attribution:
         self.owned = self.model.owners(order)
         self.slot_seqs = [s.slot_id for s in slots]
 
+    @cached_property
+    def shared_by_sessions(self) -> set[int]:
+        """Cells two or more sessions hold (sharing without a pool), found once for all."""
+        return _cells_of_many(self.model, self.slot_seqs)
+
     def session(self, s: AttachedSlot, pool: Pool | None) -> PoolSession:
         shared = (
             self.model.common_cells(s.slot_id, pool.seq_id)
@@ -52,7 +58,7 @@ class _Attribution:
             tps_ewma=s.tps_ewma,
             ttft_ms=s.ttft_ms,
             state=s.state,
-            implicit_shared_tokens=self.model.shared_with(s.slot_id, self.slot_seqs),
+            implicit_shared_tokens=self.model.count_in(s.slot_id, self.shared_by_sessions),
         )
 
     def statuses(self, root: Pool | None) -> list[PoolStatus]:
@@ -134,7 +140,7 @@ def render(
         kv_bytes_per_token=bpt,
         kv_bytes_used=model.used * bpt,
         unpooled_sessions=unpooled,
-        implicit_shared_cells=len(_cells_of_many(model, attribution.slot_seqs)),
+        implicit_shared_cells=len(attribution.shared_by_sessions),
         kv_cells_measured=measured,
         n_active=everyone.n_active,
         n_warming=everyone.n_warming,

@@ -506,7 +506,7 @@ def test_refused_sessions_scale_up_while_floor_pressure_stays_at_most_one(
         apply(k8s_cluster, ns, hpa_manifest())
         signal = f"http://127.0.0.1:{provider.json_port}/polykv/autoscale/{ns}/eng"
         knocks = iter(range(10**6))
-        scaled: list[bool] = []
+        scaled = threading.Event()  # the HPA reached 2 replicas (remembered once seen)
         sampling = threading.Event()
 
         def sample() -> None:
@@ -538,8 +538,9 @@ def test_refused_sessions_scale_up_while_floor_pressure_stays_at_most_one(
             # A replica with no headroom left already reads as saturated (ratio 1), so the HPA
             # may scale while steady's turn is full and before a knock lands in one: knock on
             # until both have happened (CI saw four admitted knocks between two turns).
-            scaled.append(spec_replicas(k8s_cluster, ns) == 2)
-            return True if any(scaled) and 429 in statuses else None
+            if spec_replicas(k8s_cluster, ns) == 2:
+                scaled.set()
+            return True if scaled.is_set() and 429 in statuses else None
 
         try:
             until(k8s_cluster, ns, "HPA scales, and newcomers were refused", knock, 240)
