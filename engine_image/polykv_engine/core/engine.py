@@ -36,7 +36,7 @@ from polykv_engine.core.scheduler import (
     pick_shed,
 )
 from polykv_engine.core.slots import Slot, SlotTable
-from polykv_engine.core.snapshot import Counters, EngineSnapshot, PoolSnapshot
+from polykv_engine.core.snapshot import Counters, EngineSnapshot, PublishedPools
 from polykv_engine.core.tasks import (
     DoneEvent,
     ErrorEvent,
@@ -110,6 +110,7 @@ class Engine:
         """Finished requests, answered right after the snapshot that shows them is out."""
         self._published_at = 0.0
         self._published_phases: tuple[tuple[str, bool], ...] = ()
+        self._published_pools = PublishedPools()
         self._pools: PoolManager | None = None
         self._slots: SlotTable | None = None
         self.pools_disabled_reason: str | None = None
@@ -905,13 +906,8 @@ class Engine:
         now = self._published_at = time.perf_counter()
         self._published_phases = self._phases()
         slots = tuple(self._slots.snapshots()) if self._slots is not None else ()
-        pools = (
-            tuple(
-                PoolSnapshot(p.pool_id, p.name, p.prefix_len, p.residency, p.admission)
-                for p in self._pools.tree.pools.values()
-            )
-            if self._pools is not None
-            else ()
+        pools, pool_index = (
+            self._published_pools.update(self._pools.tree) if self._pools is not None else ((), {})
         )
         rt = self.runtime
         self.snapshot = EngineSnapshot(
@@ -926,6 +922,7 @@ class Engine:
             kv_cells_total=rt.n_ctx if rt else 0,
             kv_parked_bytes=self._slots.parked_bytes if self._slots is not None else 0,
             pools=pools,
+            pool_index=pool_index,
             counters=self._fold_counters(),
             step_curve=self._step_timer.curve(),
         )

@@ -73,4 +73,6 @@ def erase_slot(e: Engine, slot_id: int) -> int:
 
 def set_admission(e: Engine, ref: PoolRef, policy: AdmissionPolicy | None) -> None:
     _enabled(e)
-    e.pools.tree.resolve(ref).admission = policy
+    pool = e.pools.tree.resolve(ref)
+    pool.admission = policy
+    e.pools.tree.mark(pool)

@@ -1,9 +1,10 @@
 """The wire view of the pool tree (``GET /polykv/pools``), rendered on the engine thread.
 
 KV is attributed by ownership, never by membership: a cell shared by many sequences belongs
-to the first owner in parents-first order (the pool that materialized it), so Σ own bytes of
-every pool + Σ marginal bytes of every session == the bytes in use, with nothing counted
-twice.
+to the oldest pool holding it (a parent is always older than its forks, so a fork owns only
+what it added), else to the lowest-numbered session holding it. So Σ own bytes of every pool
++ Σ marginal bytes of every session == the bytes in use, with nothing counted twice; and one
+pool's share is found from its own cells, whatever the number of other pools.
 """
 
 from __future__ import annotations
@@ -23,20 +24,28 @@ def _rates(slots: Sequence[AttachedSlot]) -> ActiveRates:
 
 
 class _Attribution:
-    """Every cell attributed to its first claimant (pools parents first, then sessions),
-    and the statuses built on it."""
+    """Every cell attributed to one holder (pools oldest first, then sessions), and the
+    statuses built on it. ``whole``: count every holder in one pass (the full listing);
+    otherwise each status counts its own cells (one pool's answer)."""
 
-    def __init__(self, pools: PoolManager, slots: Sequence[AttachedSlot]) -> None:
+    def __init__(self, pools: PoolManager, slots: Sequence[AttachedSlot], whole: bool) -> None:
         self.pools, self.slots = pools, slots
         self.model = pools.kv.model
-        order: list[tuple[object, int, int]] = [
-            (("pool", p.pool_id), p.seq_id, p.branch_pos)
-            for p in pools.tree.parents_first()
-            if p.seq_id is not None
-        ]
-        order += [(("slot", s.slot_id), s.slot_id, 0) for s in slots]
-        self.owned = self.model.owners(order)
+        by_seq = pools.tree.by_seq
+
+        def rank(seq: int) -> tuple[int, int]:
+            pool = by_seq.get(seq)
+            return (0, pool.pool_id) if pool is not None else (1, seq)
+
+        self._rank = rank
+        self._counts = self.model.owners(rank) if whole else None
         self.slot_seqs = [s.slot_id for s in slots]
+
+    def owned_bytes(self, seq: int | None) -> int:
+        if seq is None:
+            return 0
+        n = self._counts[seq] if self._counts is not None else self.model.owned(seq, self._rank)
+        return n * self.pools.bpt
 
     @cached_property
     def shared_by_sessions(self) -> set[int]:
@@ -54,7 +63,7 @@ class _Attribution:
             slot=s.slot_id,
             shared_prefix_tokens=shared,
             suffix_n_tokens=s.ctx_used - shared,
-            marginal_kv_bytes=self.owned.get(("slot", s.slot_id), 0) * self.pools.bpt,
+            marginal_kv_bytes=self.owned_bytes(s.slot_id),
             tps_ewma=s.tps_ewma,
             ttft_ms=s.ttft_ms,
             state=s.state,
@@ -70,7 +79,7 @@ class _Attribution:
             members = pools.sessions_of(pool, slots)
             attached = [self.session(s, pool) for s in members]
             rates = _rates(members)
-            own = self.owned.get(("pool", pool.pool_id), 0) * pools.bpt
+            own = self.owned_bytes(pool.seq_id)
             subtree = own + sum(a.marginal_kv_bytes for a in attached)
             subtree += sum(statuses[c].subtree_kv_bytes for c in pool.children)
             parent = tree.pools.get(pool.parent_id) if pool.parent_id is not None else None
@@ -108,7 +117,7 @@ def subtree(pools: PoolManager, slots: Sequence[AttachedSlot], root: Pool) -> li
     """``root``'s status, then its descendants': ownership is attributed over every pool,
     but only these statuses are built, so a create or a pin answers in time independent of
     how many other pools there are."""
-    return _Attribution(pools, slots).statuses(root)
+    return _Attribution(pools, slots, whole=False).statuses(root)
 
 
 def render(
@@ -119,13 +128,13 @@ def render(
     measured: int | None,
 ) -> PoolList:
     """The whole listing: every pool, the sessions outside pools, engine-wide figures."""
-    attribution = _Attribution(pools, slots)
+    attribution = _Attribution(pools, slots, whole=True)
     ordered = attribution.statuses(None)
     model, tree, bpt = attribution.model, pools.tree, pools.bpt
     unpooled = [
         attribution.session(s, None)
         for s in slots
-        if s.pool_id is None and attribution.owned.get(("slot", s.slot_id), 0) > 0
+        if s.pool_id is None and attribution.owned_bytes(s.slot_id) > 0
     ]
     everyone = _rates(slots)
     n_slots = len(slots)

@@ -124,7 +124,7 @@ class PoolManager:
             assert pool.seq_id is not None
             self.kv.share(src_slot, pool.seq_id, 0, pool.prefix_len)
             pool.n_materialized = pool.prefix_len
-            pool.residency = "resident"
+            self.tree.set_residency(pool, "resident")
             done: concurrent.futures.Future[None] = concurrent.futures.Future()
             done.set_result(None)
             log.info(
@@ -181,8 +181,8 @@ class PoolManager:
         assert pool.residency == "evicted"
         if pool.parent_id is not None:
             self.ensure_resident(self.tree.pools[pool.parent_id])
-        pool.seq_id = self.tree.take_seq()
-        pool.residency = "materializing"
+        self.tree.give_seq(pool)
+        self.tree.set_residency(pool, "materializing")
         pool.n_materialized = 0
         log.info("pool %s: re-materializing after eviction", pool.label)
         build = Build(pool, rebuild=True)
@@ -229,7 +229,7 @@ class PoolManager:
                 total += build.batch_tokens
                 build.batch_tokens = 0
             if build.started and pool.n_materialized == pool.prefix_len:
-                pool.residency = "resident"
+                self.tree.set_residency(pool, "resident")
                 self.builds.remove(build)
                 log.info("pool %s: resident (%d tokens)", pool.label, pool.prefix_len)
                 for fut in build.waiters:
@@ -308,7 +308,7 @@ class PoolManager:
         if pool.seq_id is not None:
             self.kv.clear(pool.seq_id)
         self.tree.give_back_seq(pool)
-        pool.residency = "evicted"
+        self.tree.set_residency(pool, "evicted")
         pool.n_materialized = 0
         log.info("pool %s: evicted", pool.label)
 

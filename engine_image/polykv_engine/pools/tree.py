@@ -103,6 +103,8 @@ class PoolTree:
         self.seq_ids = seq_ids
         self._free_seqs = list(reversed(seq_ids))
         self.pools: dict[int, Pool] = {}
+        self.by_seq: dict[int, Pool] = {}  # resident or materializing pools by sequence id
+        self.changed: set[int] = set()  # ids of pools added, removed or restated since taken
         self._by_name: dict[str, int] = {}
         self._next_id = 1
 
@@ -241,18 +243,25 @@ class PoolTree:
         """Register a planned pool and give it a sequence id (409 when none is left)."""
         if pool.name is not None and pool.name in self._by_name:
             raise PoolError(409, "name_conflict", f"pool name {pool.name!r} is taken")
-        seq = self.take_seq()
+        self._check_seq_free()  # before anything changes
         pool.pool_id = self._next_id
         self._next_id += 1
-        pool.seq_id = seq
         self.pools[pool.pool_id] = pool
+        self.give_seq(pool)
         if pool.name is not None:
             self._by_name[pool.name] = pool.pool_id
         if pool.parent_id is not None:
             self.pools[pool.parent_id].children.add(pool.pool_id)
         return pool
 
-    def take_seq(self) -> int:
+    def give_seq(self, pool: Pool) -> None:
+        """Give ``pool`` a free sequence id (409 when none is left)."""
+        self._check_seq_free()
+        pool.seq_id = self._free_seqs.pop()
+        self.by_seq[pool.seq_id] = pool
+        self.mark(pool)
+
+    def _check_seq_free(self) -> None:
         if not self._free_seqs:
             raise PoolError(
                 409,
@@ -262,12 +271,26 @@ class PoolTree:
                 "larger --polykv-max-pools",
                 "capacity_error",
             )
-        return self._free_seqs.pop()
 
     def give_back_seq(self, pool: Pool) -> None:
         if pool.seq_id is not None:
             self._free_seqs.append(pool.seq_id)
+            del self.by_seq[pool.seq_id]
             pool.seq_id = None
+            self.mark(pool)
+
+    def set_residency(self, pool: Pool, residency: Residency) -> None:
+        pool.residency = residency
+        self.mark(pool)
+
+    def mark(self, pool: Pool) -> None:
+        """Note that ``pool``'s published figures (its residency, its admission policy, its
+        existence) changed, so the engine republishes that pool alone."""
+        self.changed.add(pool.pool_id)
+
+    def take_changed(self) -> set[int]:
+        changed, self.changed = self.changed, set()
+        return changed
 
     def check_removable(self, pool: Pool) -> None:
         if pool.children:
@@ -283,6 +306,7 @@ class PoolTree:
         self.check_removable(pool)
         self.give_back_seq(pool)
         del self.pools[pool.pool_id]
+        self.mark(pool)
         if pool.name is not None:
             self._by_name.pop(pool.name, None)
         if pool.parent_id is not None:
@@ -296,6 +320,7 @@ class PoolTree:
         assert len(seqs) == len(set(seqs)), "a sequence id is used twice"
         assert all(s in self.seq_ids for s in seqs), "a sequence id is outside the pool range"
         assert len(seqs) + len(self._free_seqs) == len(self.seq_ids), "sequence ids leaked"
+        assert self.by_seq == {p.seq_id: p for p in self.pools.values() if p.seq_id is not None}
         for name, pid in self._by_name.items():
             assert self.pools[pid].name == name
         for pool in self.pools.values():

@@ -424,10 +424,23 @@ def test_one_pools_answers_match_the_whole_listing(pc: httpx.Client) -> None:
     fork(pc, "top", prompt=SYSTEM + TOOLS_B + TOOLS_A, name="a")
     fork(pc, "a", prompt=SYSTEM + TOOLS_B + TOOLS_A + "Plan first. ", name="a1")
     fork(pc, "top", prompt=SYSTEM + TOOLS_B + "Review. ", name="b")
+    # A root pool snapshotted from a session on a1 holds cells of top, a and a1: pools share
+    # cells across roots, and each cell still belongs to the oldest pool holding it.
+    r = complete(
+        pc, SYSTEM + TOOLS_B + TOOLS_A + "Plan first. Go.", 6, pool_id="a1", session_id="s-a1"
+    )
+    assert r.status_code == 200, r.text
+    create(pc, from_session="s-a1", name="snap-a1")
     whole = check_accounting(pc)
     by_name = {p["name"]: p for p in whole["pools"]}
-    assert by_name["a"]["own_kv_bytes"] < by_name["a"]["prefix_len"] * whole["kv_bytes_per_token"]
-    for name in ("other", "top", "a", "a1", "b"):
+    bpt = whole["kv_bytes_per_token"]
+    assert by_name["a"]["own_kv_bytes"] < by_name["a"]["prefix_len"] * bpt
+    (session,) = by_name["a1"]["sessions"]
+    # The snapshot owns exactly the session's cells no older pool holds
+    assert by_name["snap-a1"]["own_kv_bytes"] == (
+        (by_name["snap-a1"]["prefix_len"] - session["shared_prefix_tokens"]) * bpt
+    )
+    for name in ("other", "top", "a", "a1", "b", "snap-a1"):
         detail = pc.get(f"/polykv/pools/{name}", headers=ADMIN).json()
         descendants = detail.pop("descendants")
         detail.pop("boot_id")

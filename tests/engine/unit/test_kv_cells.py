@@ -25,9 +25,26 @@ def test_kv_model_ownership_partitions_used_cells() -> None:
     kv.append(11, 20)
     kv.copy(11, 0, 0, 50)
     kv.append(0, 7)
-    owners = kv.owners([("root", 10, 0), ("branch", 11, 30), ("s0", 0, 0)])
-    assert owners == {"root": 50, "branch": 20, "s0": 7}
+    rank = {10: (0, 1), 11: (0, 2), 0: (1, 0)}.__getitem__  # pools oldest first, then sessions
+    owners = kv.owners(rank)
+    assert owners == {10: 50, 11: 20, 0: 7}
     assert sum(owners.values()) == kv.used
+    assert {seq: kv.owned(seq, rank) for seq in (10, 11, 0)} == owners  # one at a time agrees
+
+
+def test_kv_model_ownership_follows_rank_not_who_computed_the_cells() -> None:
+    kv = KVModel()
+    kv.append(0, 30)  # a session computed 30 cells
+    kv.copy(0, 12, 0, 30)  # a pool snapshot of it shares all of them
+    kv.copy(0, 1, 0, 20)  # a second session shares the first 20
+    kv.append(1, 4)
+    rank = {12: (0, 5), 0: (1, 0), 1: (1, 1)}.__getitem__
+    assert kv.owners(rank) == {12: 30, 1: 4}  # the pool owns what it holds
+    assert kv.owned(0, rank) == 0 and kv.owned(1, rank) == 4 and kv.owned(12, rank) == 30
+    kv.clear(12)  # without the pool the lowest-numbered session owns the shared run
+    assert kv.owners(rank) == {0: 30, 1: 4} and kv.owned(1, rank) == 4
+    kv.clear(0)
+    assert kv.owned(1, rank) == 24 == kv.used
 
 
 def test_kv_model_rejects_non_contiguous_copy() -> None:
@@ -47,7 +64,7 @@ def test_kv_model_replace_swaps_own_cells_for_the_sources() -> None:
     kv.replace(10, 0, 0, 40)
     assert kv.common_cells(0, 10) == 40 and kv.length(0) == 60
     assert kv.used == 60  # the session's private copy of the prefix is freed
-    assert kv.owners([("pool", 10, 0), ("s0", 0, 0)]) == {"pool": 40, "s0": 20}
+    assert kv.owners({10: (0, 1), 0: (1, 0)}.__getitem__) == {10: 40, 0: 20}
     with pytest.raises(ValueError):
         kv.replace(10, 0, 30, 50)  # the pool holds no position 40
 
