@@ -14,6 +14,14 @@ projects the rate everyone gets when all R + 1 decode together, scaling the rate
 (``policy.step_time``). Until the curve has two measured sizes, the model assumes a flat
 aggregate (rate × b / (R + 1)), the cautious guess.
 
+The rate read at one instant is noisy (each session's EWMA spans ~2 s, and right after a tool
+call pause it still carries the faster seconds when fewer sessions decoded), and a gate that
+admits whenever one noisy reading clears the floor admits on the high readings: in the spawn
+ramp every over-admit came at a reading 15-20% above the typical rate at that count. So the
+projection is also made from every reading of the last ``RATE_WINDOW_S``, each scaled from
+its own b to R + 1 by the curve, and their median; the lower of that and the projection from
+the live reading decides (a real drop shows at once, a lucky moment does not count).
+
 Arms, in order (the first that decides wins):
 1. context (hard): ``expected_tokens`` that cannot fit a slot's context or the free cells;
 2. guaranteed minimum: fewer attached sessions than ``guarantee_min_sessions`` → admit;
@@ -25,6 +33,8 @@ Arms, in order (the first that decides wins):
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from polykv_api.models import AdmissionPolicy, AdmissionReason, Capacity
@@ -33,6 +43,9 @@ from polykv_engine.policy.tps import ActiveRates, active_rates
 
 IDLE_SAMPLE_FRESH_S = 30.0  # a measured mean older than this says nothing about now
 RETURN_WINDOW_S = 10.0  # a session whose turn ended this recently is in a tool call
+RATE_WINDOW_S = 10.0  # readings of the mean rate the projection takes the median of
+READING_EVERY_S = 0.1  # at most one reading per this interval (the gate ticks faster)
+MIN_WINDOW_READINGS = 5  # fewer readings than this: the live one alone decides
 DEFAULT_SESSION_TOKENS = 256  # private suffix assumed when nothing better is known
 
 REASON_OK = "ok"
@@ -120,20 +133,48 @@ class Settle:
 
 @dataclass(slots=True)
 class LoadMemory:
-    """Engine-wide: the last measured mean and how many sessions were decoding, so that a
-    moment when everyone is between turns does not read as free capacity."""
+    """Engine-wide readings of the measured mean: the last one, so that a moment when
+    everyone is between turns does not read as free capacity, and those of the last
+    ``RATE_WINDOW_S`` with the number of sessions each was measured at, for the projection's
+    windowed median."""
 
     mean: float = 0.0
     n_decoding: int = 0
     ts: float = -math.inf
+    readings: deque[tuple[float, float, int]] = field(default_factory=deque)  # (ts, mean, b)
+    _typical: dict[tuple[int, tuple[tuple[int, float], ...]], float | None] = field(
+        default_factory=dict
+    )
 
     def observe(self, view: EngineView, now: float) -> None:
         live = view.active
         if live.n_active > 0 and live.n_warming == 0:
             self.mean, self.n_decoding, self.ts = live.mean, live.n_active, now
+            if not self.readings or now - self.readings[-1][0] >= READING_EVERY_S:
+                self.readings.append((now, live.mean, live.n_active))
+                self._typical.clear()
+        self._forget_before(now - RATE_WINDOW_S)
+
+    def _forget_before(self, t: float) -> None:
+        while self.readings and self.readings[0][0] < t:
+            self.readings.popleft()
+            self._typical.clear()
 
     def fresh(self, now: float) -> bool:
         return self.n_decoding > 0 and now - self.ts < IDLE_SAMPLE_FRESH_S
+
+    def typical(self, curve: StepCurve, b_to: int, now: float) -> float | None:
+        """The median of the window's readings, each scaled to ``b_to`` sessions; computed
+        once per change of the window (every pool's status in a listing asks)."""
+        self._forget_before(now - RATE_WINDOW_S)
+        key = (b_to, curve.points)
+        if key not in self._typical:
+            factors = {b: curve.scale(1.0, b, b_to) for b in {b for _, _, b in self.readings}}
+            scaled = [m * f for _, m, b in self.readings if (f := factors[b]) is not None]
+            self._typical[key] = (
+                statistics.median(scaled) if len(scaled) >= MIN_WINDOW_READINGS else None
+            )
+        return self._typical[key]
 
 
 @dataclass(slots=True)
@@ -183,7 +224,7 @@ class PoolAdmissionState:
 @dataclass(frozen=True, slots=True)
 class Projection:
     model: float | None  # flat aggregate: rate × b / (R + 1)
-    measured: float | None  # the step-time curve: rate × t(b) / t(R + 1)
+    measured: float | None  # the step-time curve: rate × t(b) / t(R + 1), or the window's
     at_returning: float | None  # the same, for the R sessions alone (no admit)
     idle_estimate: bool
 
@@ -208,9 +249,15 @@ def project(view: EngineView, memory: LoadMemory, now: float) -> Projection:
         return Projection(None, None, None, False)
     r = max(view.n_returning, b)
     curve = view.step_curve
-    measured = curve.scale(mean, b, r + 1) if curve.measured else None
-    at_r = curve.scale(mean, b, r) if curve.measured else mean * b / r
-    return Projection(mean * b / (r + 1), measured, at_r, idle_estimate)
+    if not curve.measured:
+        return Projection(mean * b / (r + 1), None, mean * b / r, idle_estimate)
+
+    def at(n: int) -> float | None:
+        now_rate = curve.scale(mean, b, n)
+        typical = memory.typical(curve, n, now)
+        return now_rate if typical is None or now_rate is None else min(now_rate, typical)
+
+    return Projection(mean * b / (r + 1), at(r + 1), at(r), idle_estimate)
 
 
 def compaction_pressure(view: EngineView) -> float:

@@ -262,3 +262,58 @@ def test_without_pause_awareness_an_idle_moment_still_uses_the_memory() -> None:
     assert cap.projected_idle_estimate
     assert cap.projected_mean_tps_if_admitted == pytest.approx(16.0 * 2 / 3)
     assert cap.reason == REASON_FLOOR_IDLE
+
+
+STEPS = curve((4, 0.010), (5, 0.0115), (6, 0.0132))  # t(b): 1.15x from five to six
+FLOOR40 = AdmissionPolicy(target_tps_per_session=40.0, mode="enforced", guarantee_min_sessions=1)
+
+
+def five(tps: float) -> EngineView:
+    return view(*(sess(tps, task=i) for i in range(5)), steps=STEPS)
+
+
+def test_a_lucky_reading_does_not_admit_when_the_window_says_otherwise() -> None:
+    # Five agents typically read 45 tok/s (45 / 1.15 = 39 with a sixth: under the floor),
+    # and right after a tool call pause the live mean reads 54 (54 / 1.15 = 47: over it).
+    memory = LoadMemory()
+    for i in range(50):  # ten seconds of readings at the typical rate
+        memory.observe(five(45.0), now=i * 0.2)
+    lucky = five(54.0)
+    alone = capacity(FLOOR40, PoolAdmissionState(), lucky, now=10.0)
+    assert alone.can_admit and alone.projected_mean_tps_if_admitted == pytest.approx(
+        54 / 1.148, 1e-3
+    )
+    cap = capacity(FLOOR40, PoolAdmissionState(), lucky, now=10.0, memory=memory)
+    assert not cap.can_admit and cap.reason == REASON_FLOOR
+    assert cap.projected_mean_tps_if_admitted == pytest.approx(45 * 0.0115 / 0.0132)
+    # Readings at other sizes count too, each scaled by the curve from its own size.
+    memory = LoadMemory()
+    for i in range(50):
+        memory.observe(view(*(sess(52.0, task=i) for i in range(4)), steps=STEPS), now=i * 0.2)
+    cap = capacity(FLOOR40, PoolAdmissionState(), lucky, now=10.0, memory=memory)
+    assert cap.projected_mean_tps_if_admitted == pytest.approx(52 * 0.010 / 0.0132)
+
+
+def test_a_real_drop_shows_at_once_and_old_readings_leave_the_window() -> None:
+    memory = LoadMemory()
+    for i in range(50):
+        memory.observe(five(60.0), now=i * 0.2)
+    slow = five(44.0)  # the live reading drops below what the window remembers
+    cap = capacity(FLOOR40, PoolAdmissionState(), slow, now=10.0, memory=memory)
+    assert cap.projected_mean_tps_if_admitted == pytest.approx(44 * 0.0115 / 0.0132)
+    assert not cap.can_admit
+    # Readings older than the window are forgotten: a fast reading now stands alone
+    # (fewer than the minimum in the window) once they are gone.
+    memory.observe(five(60.0), now=30.0)
+    assert len(memory.readings) == 1
+    cap = capacity(FLOOR40, PoolAdmissionState(), five(60.0), now=30.0, memory=memory)
+    assert cap.can_admit and cap.projected_mean_tps_if_admitted == pytest.approx(
+        60 * 0.0115 / 0.0132
+    )
+
+
+def test_warming_or_idle_moments_add_no_readings() -> None:
+    memory = LoadMemory()
+    memory.observe(view(sess(50.0), sess(0.0, warming=True), steps=STEPS), now=0.0)
+    memory.observe(view(paused(), steps=STEPS), now=0.1)
+    assert not memory.readings
