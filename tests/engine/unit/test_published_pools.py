@@ -62,3 +62,4 @@ def test_a_view_already_published_does_not_change_afterwards() -> None:
     pools, index = published.update(t)
     assert [p.residency for p in first_pools] == ["materializing"] and "b" not in first_index
     assert [(p.name, p.residency) for p in pools] == [("a", "resident"), ("b", "materializing")]
+    assert index["b"] is pools[1] and index[a.pool_id] is pools[0]
