@@ -104,7 +104,7 @@ class PoolTree:
         self._free_seqs = list(reversed(seq_ids))
         self.pools: dict[int, Pool] = {}
         self.by_seq: dict[int, Pool] = {}  # resident or materializing pools by sequence id
-        self.changed: set[int] = set()  # ids of pools added, removed or restated since taken
+        self._changed: set[int] = set()  # ids of pools added, removed or restated since taken
         self._by_name: dict[str, int] = {}
         self._next_id = 1
 
@@ -286,10 +286,13 @@ class PoolTree:
     def mark(self, pool: Pool) -> None:
         """Note that ``pool``'s published figures (its residency, its admission policy, its
         existence) changed, so the engine republishes that pool alone."""
-        self.changed.add(pool.pool_id)
+        self._changed.add(pool.pool_id)
 
     def take_changed(self) -> set[int]:
-        changed, self.changed = self.changed, set()
+        """The pools marked since the last call (asked at every publish: usually none)."""
+        if not self._changed:
+            return self._changed
+        changed, self._changed = self._changed, set()
         return changed
 
     def check_removable(self, pool: Pool) -> None:
@@ -306,7 +309,7 @@ class PoolTree:
         self.check_removable(pool)
         self.give_back_seq(pool)
         del self.pools[pool.pool_id]
-        self.mark(pool)
+        self.mark(pool)  # an evicted pool has no sequence to give back
         if pool.name is not None:
             self._by_name.pop(pool.name, None)
         if pool.parent_id is not None:
