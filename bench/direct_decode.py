@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from polykv_engine.llama.omp import OMP_POLICY_DEFAULT, apply_omp_policy
+from polykv_engine.llama.omp import apply_omp_policy
 
 from . import harness as H
 
@@ -38,7 +38,7 @@ _callbacks: list[Any] = []  # libllama keeps a raw pointer: the ctypes callback 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
     # Before libllama (and OpenMP) loads: as the engine does.
-    apply_omp_policy(os.environ, OMP_POLICY_DEFAULT)
+    apply_omp_policy(os.environ, threads=args.threads)
     import llama_cpp.llama_cpp as C
 
     from polykv_engine.llama.runtime import init_backend

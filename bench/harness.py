@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from polykv_engine.llama.omp import OMP_POLICY_DEFAULT, omp_settings
+from polykv_engine.llama.omp import apply_omp_policy
 from polykv_engine.testing import EngineProcess, free_port
 
 T = TypeVar("T")
@@ -49,8 +49,10 @@ MODEL_ENV = "POLYKV_BENCH_MODEL"
 DEFAULT_MODEL = REPO_ROOT / "models" / "polykv-bench.gguf"
 
 # Both servers under test load the same libllama; give its OpenMP runtime the same policy:
-# the one the engine ships with (bench/vs_llama_server.py measures the others).
-SERVER_ENV = omp_settings(OMP_POLICY_DEFAULT)
+# the one the engine ships with, resolved for this machine's CPUs (bench/vs_llama_server.py
+# measures the others).
+SERVER_ENV: dict[str, str] = {}
+apply_omp_policy(SERVER_ENV)
 
 _T0 = time.monotonic()
 

@@ -546,6 +546,19 @@ class CpuBackend(BaseModel):
     extra_buffer_types: list[str] = Field(description="weight layouts beyond the file's")
     repack: bool = Field(description="weights repacked into an extra buffer type (--no-repack)")
     amx: bool = Field(description="AMX kernels present (never in PolyKV's own build)")
+    threads: int = Field(
+        description="compute threads for decoding (-t; by default the cores "
+        "this process may use: its CPU set's physical cores, capped by its CPU limit)"
+    )
+    threads_batch: int = Field(description="compute threads for prompt processing (-tb)")
+    omp_wait: str = Field(
+        description="how those threads wait between graphs: spin, passive, "
+        "active or default (POLYKV_OMP_WAIT_POLICY; auto picks spin only when every thread "
+        "has a CPU of its own)"
+    )
+    cpu_limit: float | None = Field(
+        description="the cgroup's CPU limit in CPUs (CFS quota); null when there is none"
+    )
 
 
 class PolykvProps(BaseModel):

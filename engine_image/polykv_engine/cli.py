@@ -357,7 +357,3 @@ def main(argv: list[str] | None = None) -> int:
             "no --api-key given: every route is open; pass a key outside local development"
         )
     return asyncio.run(serve(Engine(engine_cfg), settings))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -48,7 +48,7 @@ class EngineProcess:
         return [
             sys.executable,
             "-m",
-            "polykv_engine.cli",
+            "polykv_engine",
             "-m",
             str(self.model),
             "--host",

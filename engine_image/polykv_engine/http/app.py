@@ -20,7 +20,7 @@ from polykv_engine.http.admission_gate import AdmissionGate
 from polykv_engine.http.app_context import APP_KEY, AppContext, ServerSettings
 from polykv_engine.http.auth import auth_middleware
 from polykv_engine.http.errors import DEFAULT_REASONS, ApiError
-from polykv_engine.http.metrics import build_registry
+from polykv_engine.http.metrics import ComputeThreads, build_registry
 from polykv_engine.http.routes import inference, info, pools
 
 log = logging.getLogger("polykv.http")
@@ -67,6 +67,11 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
     return resp
 
 
+def compute_threads(engine: Engine) -> ComputeThreads | None:
+    rt = engine.runtime
+    return None if rt is None else ComputeThreads(rt.n_threads, rt.omp_wait, rt.cpu_limit)
+
+
 def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
     app = web.Application(
         middlewares=[metrics_middleware, error_middleware, auth_middleware],
@@ -78,6 +83,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
         lambda: engine.snapshot,
         lambda: ctx.pool_gauges,
         lambda: ctx.gate.autoscale() if ctx.gate is not None and engine.ready else (0.0, 0, 0, 0),
+        lambda: compute_threads(engine),
     )
     ctx.gate = AdmissionGate(engine, registry)
     app[info.METRICS_REGISTRY] = registry

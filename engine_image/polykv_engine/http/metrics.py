@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from polykv_engine.core.snapshot import EngineSnapshot
+from polykv_engine.llama.cpus import throttled_seconds
 from polykv_engine.policy.autoscale import demand_ratio
 
 _COUNTERS: list[tuple[str, str, str]] = [
@@ -236,14 +237,53 @@ class AutoscaleCollector(Collector):
             yield GaugeMetricFamily(f"polykv_{name}", doc, value=value)
 
 
+@dataclass(frozen=True, slots=True)
+class ComputeThreads:
+    threads: int
+    omp_wait: str
+    cpu_limit: float | None
+
+
+class CpuCollector(Collector):
+    """What decoding runs on, and whether a CPU limit holds it back: a throttled engine's
+    threads stop together at every graph barrier, so its decode rate falls off a cliff."""
+
+    def __init__(self, compute: Callable[[], ComputeThreads | None]) -> None:
+        self._compute = compute
+
+    def collect(self) -> Iterator[Metric]:
+        compute = self._compute()
+        if compute is not None:
+            threads = GaugeMetricFamily(
+                "polykv_compute_threads",
+                "Compute threads for decoding, by how they wait between graphs",
+                labels=["omp_wait"],
+            )
+            threads.add_metric([compute.omp_wait], compute.threads)
+            yield threads
+            if compute.cpu_limit is not None:
+                yield GaugeMetricFamily(
+                    "polykv_cpu_limit_cores", "The cgroup's CPU limit", value=compute.cpu_limit
+                )
+        throttled = throttled_seconds()
+        if throttled is not None:
+            yield CounterMetricFamily(
+                "polykv_cpu_throttled_seconds",
+                "Time the CPU limit held this engine's cgroup back (cgroup cpu.stat)",
+                value=throttled,
+            )
+
+
 def build_registry(
     snapshot: Callable[[], EngineSnapshot],
     pool_gauges: Callable[[], list[PoolGauges]],
     autoscale: Callable[[], tuple[float, int, int, int]],
+    compute: Callable[[], ComputeThreads | None] = lambda: None,
 ) -> tuple[CollectorRegistry, Counter]:
     """A registry of its own (tests run several engines in one process)."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(EngineCollector(snapshot))
+    registry.register(CpuCollector(compute))
     registry.register(PoolCollector(pool_gauges))
     registry.register(AutoscaleCollector(autoscale))
     http = Counter(

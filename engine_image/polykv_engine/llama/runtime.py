@@ -31,15 +31,11 @@ from typing import Any
 # The OpenMP wait policy must be in the environment before libllama (and its OpenMP runtime)
 # loads: the imports below come after this on purpose.
 # ruff: noqa: E402
-from polykv_engine.llama.omp import (
-    OMP_POLICIES,
-    OMP_POLICY,
-    OMP_POLICY_DEFAULT,
-    apply_omp_policy,
-    omp_wait,
-)
+from polykv_engine.llama.cpus import budget
+from polykv_engine.llama.omp import decide_once, omp_wait
 
-apply_omp_policy(os.environ)
+# The entry point decides first, knowing -t; a library user gets the budget's thread count.
+decide_once()
 
 import llama_cpp.llama_cpp as C
 import numpy as np
@@ -181,13 +177,8 @@ def init_backend() -> BackendInfo:
         ", ".join(_backend.extra_buffer_types) or "none",
         omp_wait(),
     )
-    if OMP_POLICY not in OMP_POLICIES:
-        log.warning(
-            "POLYKV_OMP_WAIT_POLICY=%r is not one of %s: using %s",
-            OMP_POLICY,
-            ", ".join(OMP_POLICIES),
-            OMP_POLICY_DEFAULT,
-        )
+    choice = decide_once()
+    log.info("OpenMP wait policy: %s (%s)", choice.policy, choice.reason)
     return _backend
 
 
@@ -209,7 +200,7 @@ class RuntimeConfig:
     n_batch: int = 2048
     n_ubatch: int = 512
     n_seq_max: int = 1
-    n_threads: int = 0  # 0: every core
+    n_threads: int = 0  # 0: the cores this process may use (llama/cpus.py)
     n_threads_batch: int = 0
     n_gpu_layers: int = 0
     kv_unified: bool = True
@@ -385,9 +376,12 @@ class LlamaRuntime:
         cparams.n_batch = cfg.n_batch
         cparams.n_ubatch = min(cfg.n_ubatch, cfg.n_batch)
         cparams.n_seq_max = cfg.n_seq_max
-        threads = cfg.n_threads or (os.cpu_count() or 1)
-        cparams.n_threads = threads
-        cparams.n_threads_batch = cfg.n_threads_batch or threads
+        self.n_threads = cfg.n_threads or budget().threads
+        self.n_threads_batch = cfg.n_threads_batch or self.n_threads
+        self.omp_wait = decide_once().policy
+        self.cpu_limit = budget().quota
+        cparams.n_threads = self.n_threads
+        cparams.n_threads_batch = self.n_threads_batch
         cparams.kv_unified = cfg.kv_unified
         cparams.swa_full = cfg.swa_full
         cparams.flash_attn_type = self._flash_attn_type(cfg)

@@ -91,7 +91,8 @@ class PolyKVEngineSpec(KubeModel):
     sequence ids: parallel + maxPools + 1 must not exceed 256. A tree with more pools than
     this still fits: cold pools are evicted (kept by name) and re-materialized on use."""
     threads: int | None = Field(None, ge=1)
-    """CPU threads for decoding (-t); absent: all cores."""
+    """CPU threads for decoding (-t); absent: the cores the pod may use (the physical cores of
+    its CPU set, capped by its CPU limit, read by the engine from its cgroup)."""
     port: int = Field(8080, ge=1, le=65535)
     """The engine's HTTP port inside the pod."""
     api_key_secret_ref: SecretKeySelector | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "polykv_engine.cli", *args],
+        [sys.executable, "-m", "polykv_engine", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -35,6 +36,18 @@ def test_bad_flags_exit_2_with_a_reason(test_model: Path, extra: list[str], need
     assert r.returncode == 2
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_an_unknown_wait_policy_exits_2_before_loading_anything(test_model: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "polykv_engine", "-m", str(test_model)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "POLYKV_OMP_WAIT_POLICY": "sleepy"},
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "POLYKV_OMP_WAIT_POLICY='sleepy' is not one of auto, spin" in r.stderr
 
 
 def test_missing_model() -> None:

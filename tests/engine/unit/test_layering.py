@@ -28,6 +28,8 @@ RANKS = {
     "polykv_engine.core": 4,
     "polykv_engine.http": 5,
     "polykv_engine.cli": 6,
+    "polykv_engine.boot": 7,
+    "polykv_engine.__main__": 8,
     "polykv_engine.testing": 6,
     "polykv_engine.fetch_model": 6,
     "polykv_engine": 0,  # the package __init__: the version string, nothing else
