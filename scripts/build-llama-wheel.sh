@@ -13,6 +13,12 @@
 # variant (zen4/cooperlake, AVX-512 without AMX). The engine's tests assert that no loaded
 # backend reports AMX.
 #
+# Patches (scripts/patches/*.patch, ours, applied to the vendored tree in name order) change
+# only speed, never results: ggml-cpu-fa-skip-masked.patch lets the CPU flash-attention kernel
+# pass over other sequences' cells of a unified KV cache a word at a time (one cell in n is a
+# query's own when n sessions decode together). The wheel records what it was built with in
+# llama_cpp/polykv_build.json, which the engine reports in /props.
+#
 # The compile takes ~15-25 minutes on 2 cores; every later run reuses the cached wheel.
 # Prints the wheel path as the last line of stdout.
 set -euo pipefail
@@ -27,9 +33,10 @@ CACHE_ROOT="${POLYKV_CACHE:-$HOME/.cache/polykv}"
 # the engine loads them from (ggml installs them into bin/ by default).
 CMAKE_FLAGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_OPENMP=ON -DCMAKE_INSTALL_BINDIR=llama_cpp/lib ${LLAMA_CPP_EXTRA_CMAKE_ARGS:-}"
 DROP_VARIANTS="sapphirerapids"
+PATCHES=("$ROOT"/scripts/patches/*.patch)
 # The key names everything that changes the binary: version, interpreter, arch, flags, dropped
-# variants, and this script itself.
-KEY="$(printf '%s|%s|%s' "$CMAKE_FLAGS" "$DROP_VARIANTS" "$(sha1sum < "${BASH_SOURCE[0]}")" | sha1sum | cut -c1-10)"
+# variants, patches, and this script itself.
+KEY="$(printf '%s|%s|%s|%s' "$CMAKE_FLAGS" "$DROP_VARIANTS" "$(cat "${PATCHES[@]}" | sha1sum)" "$(sha1sum < "${BASH_SOURCE[0]}")" | sha1sum | cut -c1-10)"
 DEST="$CACHE_ROOT/wheels/llama-cpp-python-$VERSION-$PYTAG-$(uname -m)-portable-noamx-$KEY"
 mkdir -p "$CACHE_ROOT/wheels" "$CACHE_ROOT/sdists"
 # One build at a time: a second caller waits for the first and then reuses its wheel.
@@ -61,6 +68,21 @@ for v in $DROP_VARIANTS; do
     echo "!! variant $v not found in $VARIANTS_CMAKE: the drop list needs review" >&2; exit 1; }
   sed -i "/ggml_add_cpu_backend_variant($v /d" "$VARIANTS_CMAKE"
 done
+for patch_file in "${PATCHES[@]}"; do
+  patch -p1 --forward --quiet -d "$SRC" < "$patch_file" || {
+    echo "!! $patch_file does not apply to llama-cpp-python $VERSION: it needs review" >&2; exit 1; }
+done
+"$PY" - "$SRC/llama_cpp/polykv_build.json" "$VERSION" "$CMAKE_FLAGS" "$DROP_VARIANTS" "${PATCHES[@]}" <<'EOF_PY'
+import json, pathlib, sys
+out, version, flags, dropped, *patches = sys.argv[1:]
+manifest = {
+    "version": version,
+    "patches": [pathlib.Path(p).stem for p in patches],
+    "dropped_variants": dropped.split(),
+    "cmake_flags": flags.split(),
+}
+pathlib.Path(out).write_text(json.dumps(manifest, indent=1) + "\n")
+EOF_PY
 
 echo ">> building portable llama-cpp-python $VERSION (one time, ~15-25 min on 2 cores); log: $DEST.log" >&2
 start=$(date +%s)
@@ -79,6 +101,8 @@ CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
 listing="$("$PY" -m zipfile -l "$DEST.tmp"/llama_cpp_python-*.whl)"
 grep -q 'llama_cpp/lib/libggml-cpu-haswell.so' <<<"$listing" || {
   echo "!! the wheel has no per-CPU backends; GGML_CPU_ALL_VARIANTS did not take" >&2; exit 1; }
+grep -q 'llama_cpp/polykv_build.json' <<<"$listing" || {
+  echo "!! the wheel lost llama_cpp/polykv_build.json" >&2; exit 1; }
 if grep -q 'libggml-cpu-sapphirerapids' <<<"$listing"; then
   echo "!! the wheel still carries the AMX backend" >&2; exit 1
 fi

@@ -546,6 +546,10 @@ class CpuBackend(BaseModel):
     extra_buffer_types: list[str] = Field(description="weight layouts beyond the file's")
     repack: bool = Field(description="weights repacked into an extra buffer type (--no-repack)")
     amx: bool = Field(description="AMX kernels present (never in PolyKV's own build)")
+    patches: list[str] = Field(
+        description="PolyKV's patches to the vendored llama.cpp in this build "
+        "(scripts/patches; speed only, never results); empty for another build"
+    )
     threads: int = Field(
         description="compute threads for decoding (-t; by default the cores "
         "this process may use: its CPU set's physical cores, capped by its CPU limit)"

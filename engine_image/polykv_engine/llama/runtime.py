@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import math
 import os
@@ -79,6 +80,7 @@ class BackendInfo:
     features: dict[str, str]  # the CPU backend's features (AVX2 = 1, ...)
     extra_buffer_types: tuple[str, ...]  # e.g. CPU_REPACK; an "AMX" entry means AMX kernels
     system_info: str  # llama_print_system_info(), verbatim
+    patches: tuple[str, ...] = ()  # PolyKV's patches to the vendored llama.cpp in this build
 
     @property
     def amx(self) -> bool:
@@ -93,6 +95,16 @@ _backend: BackendInfo | None = None
 
 def _lib_dir() -> Path:
     return Path(C.__file__).resolve().parent / "lib"
+
+
+def build_patches() -> tuple[str, ...]:
+    """The patches scripts/build-llama-wheel.sh applied (its manifest in the wheel); none for a
+    llama-cpp-python built elsewhere."""
+    manifest = Path(C.__file__).resolve().parent / "polykv_build.json"
+    try:
+        return tuple(json.loads(manifest.read_text()).get("patches", ()))
+    except (OSError, ValueError, AttributeError):
+        return ()
 
 
 def _mapped(pattern: str) -> str | None:
@@ -168,13 +180,17 @@ def init_backend() -> BackendInfo:
     if library is not None:
         tag = re.search(r"libggml-cpu-([\w.]+?)\.so", library)
         variant = tag.group(1) if tag else "native"
-    _backend = BackendInfo(variant, library, features, _extra_buffer_types(lib), info)
+    _backend = BackendInfo(
+        variant, library, features, _extra_buffer_types(lib), info, build_patches()
+    )
     log.info(
-        "ggml CPU backend: %s (%s); features: %s; extra buffer types: %s; OpenMP wait: %s",
+        "ggml CPU backend: %s (%s); features: %s; extra buffer types: %s; patches: %s; "
+        "OpenMP wait: %s",
         variant or "built in",
         library or "linked into libggml",
         " ".join(k for k, v in features.items() if v == "1") or "none",
         ", ".join(_backend.extra_buffer_types) or "none",
+        ", ".join(_backend.patches) or "none",
         omp_wait(),
     )
     choice = decide_once()

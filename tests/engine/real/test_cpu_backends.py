@@ -4,6 +4,7 @@ ships (ggml's AMX path dies with SIGILL on AMX Xeons whose threads lack the perm
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ from tests.conftest import real_model_path
 pytestmark = pytest.mark.real_model
 
 LIB = Path(llama_cpp.__file__).resolve().parent / "lib"
+REPO = Path(__file__).resolve().parents[3]
 QUANTIZED = [
     "smollm2-135m-instruct-q4_1",
     "smollm2-135m-instruct-q8_0",
@@ -27,9 +29,22 @@ QUANTIZED = [
 ]
 
 
+def shipped_patches() -> list[str]:
+    return sorted(p.stem for p in (REPO / "scripts" / "patches").glob("*.patch"))
+
+
+def test_the_installed_llama_cpp_carries_every_patch_of_this_checkout() -> None:
+    """scripts/build-llama-wheel.sh keys its cache on the patches; a venv whose wheel predates
+    one (or a llama-cpp-python from elsewhere) would benchmark the wrong kernels."""
+    manifest = json.loads((LIB.parent / "polykv_build.json").read_text())
+    assert manifest["patches"] == shipped_patches() != []
+    assert manifest["dropped_variants"] == ["sapphirerapids"]
+
+
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_quantized_model_serves_many_requests_on_every_thread(name: str, tmp_path: Path) -> None:
-    # -t 0: every core decodes, the configuration that crashed on AMX hardware.
+    # -t 0: every core this process may use decodes, the configuration that crashed on AMX
+    # hardware.
     eng = EngineProcess(
         real_model_path(name), ["-np", "4", "-c", "4096", "-t", "0"], log_path=tmp_path / "e.log"
     )
@@ -39,6 +54,7 @@ def test_quantized_model_serves_many_requests_on_every_thread(name: str, tmp_pat
             backend = api.get("/props").json()["polykv"]["cpu_backend"]
             assert backend["variant"], backend  # a per-CPU module was picked at run time
             assert not backend["amx"] and "AMX_INT8" not in backend["features"]
+            assert backend["patches"] == shipped_patches()
             print(f"{name}: CPU backend {backend['variant']}, repack={backend['repack']}")
 
             def one(i: int) -> int:

@@ -57,6 +57,7 @@ def polykv_props(ctx: AppContext) -> PolykvProps:
             extra_buffer_types=list(rt.backend.extra_buffer_types),
             repack=rt.repack,
             amx=rt.backend.amx,
+            patches=list(rt.backend.patches),
             threads=rt.n_threads,
             threads_batch=rt.n_threads_batch,
             omp_wait=rt.omp_wait,
