@@ -310,6 +310,7 @@ class Engine:
             self._cancel(payload)
         elif kind == "call":
             fn, fut = payload
+            self._flush_streams()  # a control call may take a while (a pool snapshot, a build)
             if fut.set_running_or_notify_cancel():
                 try:
                     result = fn(self)
@@ -623,6 +624,7 @@ class Engine:
         batch = self._batch
         assert batch is not None
         if self.slots.park_due:  # before the batch: new cells may then land low in the cache
+            self._flush_streams()
             parked = self.slots.park_idle()
             self._bump(
                 kv_parked_tokens=parked.parked_tokens, kv_park_dropped_tokens=parked.dropped_tokens
@@ -633,6 +635,8 @@ class Engine:
             if batch.n == 0:
                 self.pools.after_decode()  # builds with nothing to prefill (L == D) finish
                 return
+            if batch.n > sum(1 for s in self.slots.slots if s.state == "decoding"):
+                self._flush_streams()  # a prompt or pool chunk: a long step
             td = time.perf_counter()
             try:
                 rc = self.rt.decode(batch)
@@ -656,6 +660,12 @@ class Engine:
         self._bump(step_seconds=seconds)
         if not retried and decoding == batch.n:
             self._step_timer.record(decoding, seconds)
+
+    def _flush_streams(self) -> None:
+        """Tokens that sinks hold back leave now, before the engine thread is busy a while."""
+        for slot in self.slots.slots:
+            if slot.task is not None:
+                slot.task.sink.flush()
 
     def _abort_batch(self, reason: str) -> None:
         """A decode failed hard: fail every request and build in the batch, forget their KV."""

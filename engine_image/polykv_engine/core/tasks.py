@@ -77,9 +77,12 @@ Event = TokenEvent | DoneEvent | ErrorEvent
 
 
 class EventSink(Protocol):
-    """Receives a task's events. ``emit`` is called from the engine thread."""
+    """Receives a task's events. Both methods are called from the engine thread."""
 
     def emit(self, event: Event) -> None: ...
+
+    def flush(self) -> None:
+        """Hand over any events the sink holds back (the engine is about to take a while)."""
 
 
 @dataclass(slots=True)

@@ -35,6 +35,7 @@ class ServerSettings:
     metrics: bool = False
     model_alias: str | None = None
     tps_stream_interval_ms: int = 500
+    stream_interval_s: float = 0.0  # a stream's tokens leave at most this often (first at once)
     shutdown_timeout_s: float = 20.0
     sse_ping_interval_s: float = 10.0  # keep-alive comments on an idle stream
     write_timeout_s: float = 600.0  # a client that reads nothing this long is dropped

@@ -27,6 +27,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["--polykv-max-pools", "-1"], "--polykv-max-pools must be >= 0"),
         (["--polykv-park-mib", "-1"], "--polykv-park-mib must be >= 0"),
         (["--polykv-tps-interval-ms", "5"], "between 50 and 60000"),
+        (["--polykv-stream-interval-ms", "-1"], "between 0 and 1000"),
+        (["--polykv-stream-interval-ms", "5000"], "between 0 and 1000"),
         (["-fa", "sometimes"], "invalid choice"),
         (["-fa", "off", "-ctv", "q8_0"], "needs flash attention"),
     ],

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 
 from polykv_engine.testing import EngineProcess
 
-from .conftest import greedy
+from .conftest import DETERMINISTIC, greedy
 
 
 def sse_events(resp: httpx.Response) -> Iterator[str]:
@@ -64,6 +64,46 @@ def test_streaming_matches_non_streaming(client: httpx.Client) -> None:
                 pieces.append(ev["content"])
     assert final is not None and final["timings"]["predicted_n"] == 40
     assert "".join(pieces) == whole["content"]
+
+
+def test_a_stream_interval_groups_writes_not_events(
+    start_engine: Callable[..., EngineProcess],
+) -> None:
+    """With tokens sent together every 300 ms, each token is still its own SSE event, in
+    order, and the text is the whole response's; the first arrives before the rest (at once,
+    not after an interval), and the chat route streams through it too."""
+    eng = start_engine("--polykv-stream-interval-ms", "300", "-np", "2", *DETERMINISTIC)
+    with httpx.Client(base_url=eng.base_url, timeout=120.0) as client:
+        body = greedy("Streaming should not change the text", n=64, cache_prompt=False)
+        whole = client.post("/completion", json=body).json()
+        pieces: list[str] = []
+        tokens: list[int] = []
+        reads: list[int] = []  # events per network read
+        with client.stream("POST", "/completion", json={**body, "stream": True}) as resp:
+            assert resp.status_code == 200
+            buf = ""
+            for chunk in resp.iter_text():
+                buf += chunk
+                events, _, buf = buf.rpartition("\n\n")
+                got = [json.loads(e[len("data: ") :]) for e in events.split("\n\n") if e]
+                reads.append(len(got))
+                for ev in got:
+                    if not ev["stop"]:
+                        pieces.append(ev["content"])
+                        tokens.extend(ev["tokens"])
+            assert buf == ""
+        assert "".join(pieces) == whole["content"] and tokens == whole["tokens"]
+        assert len(tokens) == 64
+        assert reads[0] == 1  # the first token went out alone
+        chat = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 16,
+            "temperature": 0,
+            "stream": True,
+        }
+        with client.stream("POST", "/v1/chat/completions", json=chat) as resp:
+            lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and len(lines) >= 3
 
 
 def test_oai_chat_stream_ends_with_done(client: httpx.Client) -> None:

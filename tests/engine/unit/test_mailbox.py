@@ -72,3 +72,56 @@ def test_a_whole_response_wakes_the_loop_once_a_stream_per_burst() -> None:
         got, wakes = asyncio.run(main(stream))
         assert [e.token for e in got[:5] if isinstance(e, TokenEvent)] == list(range(5))
         assert isinstance(got[5], ErrorEvent) and wakes == expected_wakes, (stream, wakes)
+
+
+def test_a_stream_sends_its_first_token_at_once_then_at_most_every_interval() -> None:
+    now = [0.0]
+
+    async def main() -> tuple[list[list[int]], int]:
+        loop = asyncio.get_running_loop()
+        sink = QueueSink(loop, True, interval_s=0.02, clock=lambda: now[0])
+        handed: list[list[int]] = []
+
+        async def drain() -> None:  # what the loop received at each wake-up
+            await asyncio.sleep(0)
+            got = []
+            while not sink.queue.empty():
+                ev = sink.queue.get_nowait()
+                got.append(ev.token if isinstance(ev, TokenEvent) else -1)
+            if got:
+                handed.append(got)
+
+        with counting_wakes(loop) as wakes:
+            for i, t in enumerate((0.0, 0.005, 0.010, 0.021, 0.030, 0.035)):
+                now[0] = t  # one decode step every few ms
+                sink.emit(TokenEvent(text=f"t{i}", token=i))
+                await drain()
+            sink.flush()  # the engine is about to run someone's prefill
+            await drain()
+            sink.flush()  # nothing held: no wake-up
+            now[0] = 0.036
+            sink.emit(TokenEvent(text="t6", token=6))  # held: the last send was at 0.035
+            sink.emit(ErrorEvent(500, "server_error", "stopped"))  # takes what is held along
+            await drain()
+        return handed, wakes[0]
+
+    handed, wakes = asyncio.run(main())
+    assert handed == [[0], [1, 2, 3], [4, 5], [6, -1]]
+    assert wakes == 4
+
+
+def test_a_whole_response_ignores_flush_until_its_end() -> None:
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        sink = QueueSink(loop, False, interval_s=0.0)
+        with counting_wakes(loop) as wakes:
+            sink.emit(TokenEvent(text="a", token=1))
+            sink.flush()
+            await asyncio.sleep(0)
+            assert sink.queue.empty()
+            sink.emit(ErrorEvent(500, "server_error", "stopped"))
+            await asyncio.sleep(0)
+            assert sink.queue.qsize() == 2
+        return wakes[0]
+
+    assert asyncio.run(main()) == 1

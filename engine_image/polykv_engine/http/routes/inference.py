@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
+import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -54,26 +57,46 @@ REHOMED_HEADER = "x-polykv-rehomed"  # set by polykv-router on a continuation it
 
 
 class QueueSink:
-    """Carries engine events into the asyncio loop (``emit`` runs on the engine thread).
+    """Carries engine events into the asyncio loop (``emit`` and ``flush`` run on the engine
+    thread).
 
-    A whole (non-streamed) response reads its tokens only at the end, so its tokens wait on
-    the engine side and travel with the final event: one loop wake-up per request instead of
-    one per token, each of which would take a core from the compute threads mid-decode.
+    Every hand-over wakes the loop, whose thread then takes a core from the compute threads
+    mid-decode (and a router relaying the stream, another). So tokens wait on the engine side
+    and travel together: a whole (non-streamed) response's with its final event, a stream's
+    at most every ``interval_s`` (its first token at once; every token stays its own SSE
+    event, several go out in one write). The engine flushes before a step that will take
+    long (a prompt or pool chunk), so a held token never waits on someone else's prefill.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        stream: bool,
+        interval_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._mailbox = mailbox(loop)
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._held: list[TokenEvent] | None = None if stream else []
+        self._stream = stream
+        self._interval_s = interval_s
+        self._clock = clock
+        self._held: list[TokenEvent] = []
+        self._posted_at = -math.inf
 
     def emit(self, event: Event) -> None:
-        if self._held is None:
-            self._mailbox.post(self.queue, event)
-        elif isinstance(event, TokenEvent):
+        if isinstance(event, TokenEvent):
             self._held.append(event)
-        else:
+            if self._stream and self._clock() - self._posted_at >= self._interval_s:
+                self.flush()
+            return
+        held, self._held = self._held, []
+        self._mailbox.post(self.queue, *held, event)
+
+    def flush(self) -> None:
+        if self._stream and self._held:
             held, self._held = self._held, []
-            self._mailbox.post(self.queue, *held, event)
+            self._posted_at = self._clock()
+            self._mailbox.post(self.queue, *held)
 
 
 def _sampling(req: SamplingFields, grammar: Grammar | None) -> SamplingParams:
@@ -288,28 +311,39 @@ async def _stream(
 
     async def send(data: bytes) -> None:
         # A peer that stopped reading (half-open, gone) blocks the write: give up on it.
-        await asyncio.wait_for(resp.write(data), settings.write_timeout_s)
+        # (asyncio.timeout, not wait_for: no task per token on the loop that shares the
+        # cores with the compute threads.)
+        async with asyncio.timeout(settings.write_timeout_s):
+            await resp.write(data)
+
+    async def next_event() -> Event | None:
+        try:
+            async with asyncio.timeout(settings.sse_ping_interval_s):
+                return await sink.queue.get()
+        except TimeoutError:
+            return None
 
     ev: Event | None = first
     result: GenerationResult | None = None
     while True:
+        out: list[bytes] = []
         if ev is None:
-            await send(b": keep-alive\n\n")
-        elif isinstance(ev, TokenEvent):
-            for chunk in builder.chunks(ev):
-                await send(_sse(chunk))
-        elif isinstance(ev, DoneEvent):
+            out.append(b": keep-alive\n\n")
+        while isinstance(ev, TokenEvent):  # every token already here goes in one write
+            out.extend(_sse(chunk) for chunk in builder.chunks(ev))
+            ev = sink.queue.get_nowait() if not sink.queue.empty() else None
+            if ev is None:
+                break
+        if isinstance(ev, DoneEvent):
             result = ev.result
-            for final in builder.stream_final(result):
-                await send(_sse(final))
+            out.extend(_sse(final) for final in builder.stream_final(result))
+        elif isinstance(ev, ErrorEvent):
+            out.append(_sse(_api_error(ev).body()))
+        if out:
+            await send(b"".join(out))
+        if isinstance(ev, DoneEvent | ErrorEvent):
             break
-        else:
-            await send(_sse(_api_error(ev).body()))
-            break
-        try:
-            ev = await asyncio.wait_for(sink.queue.get(), settings.sse_ping_interval_s)
-        except TimeoutError:
-            ev = None
+        ev = await next_event()
     if builder.route != "completion":
         if include_usage and result is not None:
             await send(_sse(builder.usage_chunk(result)))
@@ -331,7 +365,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
     if req.json_schema is not None:
         grammar = _schema_grammar(req.json_schema, "json_schema")
     prompt = ctx.tokenize_prompt(req.prompt)
-    sink = QueueSink(asyncio.get_running_loop(), req.stream)
+    sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     task = _task_from(
         req,
         prompt,
@@ -350,7 +384,7 @@ async def oai_completion(request: web.Request) -> web.StreamResponse:
     ctx = ctx_of(request)
     req = await parse(request, OAICompletionRequest)
     prompt = ctx.tokenize_prompt(req.prompt)
-    sink = QueueSink(asyncio.get_running_loop(), req.stream)
+    sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     n_predict = -1 if req.max_tokens is None else req.max_tokens
     task = _task_from(req, prompt, n_predict, request, sink, logprobs=req.logprobs)
     echo = req.prompt if req.echo and isinstance(req.prompt, str) else None
@@ -382,7 +416,7 @@ async def oai_chat(request: web.Request) -> web.StreamResponse:
         grammar = plan.grammar
     text = ctx.render_chat(req)
     prompt = ctx.check_prompt_fits(ctx.rt.tokenize(text, add_special=True, parse_special=True))
-    sink = QueueSink(asyncio.get_running_loop(), req.stream)
+    sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     task = _task_from(
         req,
