@@ -308,6 +308,12 @@ class Sampler:
     output, and the usual samplers choose among the rest (llama.cpp's chain order)."""
 
     def __init__(self, params: SamplingParams, n_vocab: int, vocab: Any) -> None:
+        # Plain greedy is an argmax over the logits: llama_sampler_sample would first copy
+        # every logit into a candidate array (34 us at a 49k vocabulary, 4 us for the argmax;
+        # both take the first of equal maxima).
+        self._logits_type: Any = None
+        if params.greedy and params.grammar is None and not params.has_penalties:
+            self._logits_type = ctypes.c_float * n_vocab
         cparams = C.llama_sampler_chain_default_params()
         chain = C.llama_sampler_chain_init(cparams)
         if not chain:
@@ -346,6 +352,12 @@ class Sampler:
             C.llama_sampler_accept(self._penalties, token)
 
     def sample(self, ctx: ctypes.c_void_p, idx: int) -> int:
+        if self._logits_type is not None:
+            ptr = C.llama_get_logits_ith(ctx, idx)
+            if not ptr:
+                raise LlamaError(f"no logits at batch index {idx}")
+            row = ctypes.cast(ptr, ctypes.POINTER(self._logits_type)).contents
+            return int(np.frombuffer(row, dtype=np.float32).argmax())
         return int(C.llama_sampler_sample(self._chain, ctx, idx))
 
     def free(self) -> None:
