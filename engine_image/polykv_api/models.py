@@ -558,7 +558,7 @@ class CpuBackend(BaseModel):
     omp_wait: str = Field(
         description="how those threads wait between graphs: spin, passive, "
         "active or default (POLYKV_OMP_WAIT_POLICY; auto picks spin only when every thread "
-        "has a CPU of its own)"
+        "has a CPU of its own), custom for OMP_WAIT_POLICY/GOMP_SPINCOUNT given directly"
     )
     cpu_limit: float | None = Field(
         description="the cgroup's CPU limit in CPUs (CFS quota); null when there is none"

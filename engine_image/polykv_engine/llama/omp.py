@@ -44,7 +44,7 @@ ENV = "POLYKV_OMP_WAIT_POLICY"
 
 @dataclass(frozen=True, slots=True)
 class OmpChoice:
-    policy: str  # one of OMP_POLICIES
+    policy: str  # one of OMP_POLICIES, or "custom" (OpenMP variables given that match none)
     reason: str  # why, for the boot log
 
 
@@ -87,8 +87,10 @@ def apply_omp_policy(
     given = [var for var in OMP_VARS if var in environ]
     for var, value in omp_settings(choice.policy).items():
         environ.setdefault(var, value)
-    if given:
-        return OmpChoice(choice.policy, f"{choice.reason}; {', '.join(given)} given win")
+    if given:  # what the runtime will really do, named after the policy it matches
+        now = {var: environ[var] for var in OMP_VARS if var in environ}
+        policy = next((name for name, env in OMP_POLICIES.items() if env == now), "custom")
+        return OmpChoice(policy, f"{choice.reason}; {', '.join(given)} given win")
     return choice
 
 

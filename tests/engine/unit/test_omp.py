@@ -51,10 +51,14 @@ def test_the_policy_comes_from_the_environment_and_explicit_variables_win() -> N
     env = {"OMP_WAIT_POLICY": "passive"}
     choice = apply_omp_policy(env, "spin")
     assert env == {"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "10000000"}
-    assert "OMP_WAIT_POLICY given win" in choice.reason
+    assert "OMP_WAIT_POLICY given win" in choice.reason and choice.policy == "custom"
     env = {"GOMP_SPINCOUNT": "5"}
     apply_omp_policy(env, "spin")
     assert env["GOMP_SPINCOUNT"] == "5"
+    env = {"OMP_WAIT_POLICY": "passive"}  # what /props reports is what the runtime got
+    assert apply_omp_policy(env, "default", cpus=ROOMY).policy == "passive"
+    env = {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "10000000"}
+    assert apply_omp_policy(env, cpus=LIMITED, threads=2).policy == "spin"
 
 
 def test_an_unknown_name_is_auto_and_says_so() -> None:
