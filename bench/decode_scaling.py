@@ -880,7 +880,8 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             rows.append(row)
         lines += [
             "Engine settings on this CPU (PolyKV decode tok/s, same workload; `-fa auto` "
-            "means off without offloaded layers, `-t 0` means every core):",
+            "means on where layers run on the CPU, `-t 0` means every core this process may "
+            "use):",
             "",
             H.markdown_table(headers, rows),
             "",
