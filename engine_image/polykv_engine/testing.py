@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from polykv_engine.llama import omp
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -58,6 +60,13 @@ class EngineProcess:
             *self.args,
         ]
 
+    def child_env(self) -> dict[str, str]:
+        """This process's environment and ``env``, less the OpenMP variables this process's
+        own wait-policy decision set (if libllama is loaded here): the engine decides its
+        own, for its own thread count."""
+        inherited = {k: v for k, v in os.environ.items() if k not in omp.set_by_decision}
+        return {**inherited, **self.env}
+
     def start(self, timeout: float = 120.0, headers: dict[str, str] | None = None) -> None:
         if not self.port:
             self.port = free_port(self.host)
@@ -66,7 +75,7 @@ class EngineProcess:
             self.command(),
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env},
+            env=self.child_env(),
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -70,6 +70,9 @@ def omp_settings(policy: str) -> dict[str, str]:
 # What the process decided, for the boot log: the entry point decides once it knows -t, and
 # the runtime's import decides (for library use) only if nothing did before.
 decided: OmpChoice | None = None
+# The variables that decision wrote into os.environ. A child process (an engine that a test
+# or a benchmark starts) has its own threads and makes its own decision: launchers drop these.
+set_by_decision: tuple[str, ...] = ()
 
 
 def apply_omp_policy(
@@ -97,9 +100,11 @@ def apply_omp_policy(
 def decide_once(threads: int | None = None) -> OmpChoice:
     """Applies the policy to this process's environment, the first time only (libgomp reads
     it when it loads, so a later change would not take)."""
-    global decided
+    global decided, set_by_decision
     if decided is None:
+        before = {var for var in OMP_VARS if var in os.environ}
         decided = apply_omp_policy(os.environ, threads=threads)
+        set_by_decision = tuple(v for v in OMP_VARS if v in os.environ and v not in before)
     return decided
 
 

@@ -122,8 +122,10 @@ def test_metrics_parse_and_count(engine: EngineProcess) -> None:
     assert "secret-sess" not in text  # never a per-session label or value
     for fam in text_string_to_metric_families(text):
         for sample in fam.samples:
-            # Low cardinality only: "batch" is bounded by -np (the step-time curve).
-            assert set(sample.labels) <= {"outcome", "route", "code", "pool", "batch"}, sample
+            # Low cardinality only: "batch" is bounded by -np (the step-time curve), "omp_wait"
+            # names one of five wait policies.
+            allowed = {"outcome", "route", "code", "pool", "batch", "omp_wait"}
+            assert set(sample.labels) <= allowed, sample
 
 
 def _metrics(base_url: str) -> dict[str, float]:

@@ -88,3 +88,26 @@ def test_the_entry_point_reads_only_the_thread_flags(
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     assert requested_threads(argv) == expected
+
+
+def test_engines_started_from_a_process_with_libllama_decide_their_own_policy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A test process that loaded libllama holds its own decision in os.environ; an engine it
+    starts (other threads, maybe another cgroup) must not inherit it, unless asked to."""
+    from pathlib import Path
+
+    from polykv_engine.llama import omp
+    from polykv_engine.testing import EngineProcess
+
+    monkeypatch.setattr(omp, "set_by_decision", ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000000")
+    monkeypatch.setenv("POLYKV_OMP_WAIT_POLICY", "passive")  # a user's choice travels
+    env = EngineProcess(model=Path("m.gguf")).child_env()
+    assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env
+    assert env["POLYKV_OMP_WAIT_POLICY"] == "passive"
+    given = EngineProcess(model=Path("m.gguf"), env={"OMP_WAIT_POLICY": "passive"}).child_env()
+    assert given["OMP_WAIT_POLICY"] == "passive" and "GOMP_SPINCOUNT" not in given
+    monkeypatch.setattr(omp, "set_by_decision", ())  # set by the user, not by a decision
+    assert EngineProcess(model=Path("m.gguf")).child_env()["OMP_WAIT_POLICY"] == "active"
