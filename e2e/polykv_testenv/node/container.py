@@ -298,6 +298,8 @@ class ContainerRunner:
 
 def base_environment() -> Mapping[str, str]:
     """What every "container" inherits: the node's own environment (the local machine is
-    the image), minus the client settings that belong to the harness."""
-    drop = {"KUBECONFIG", "POLYKV_IMAGE_TABLE"}
+    the image), minus the client settings that belong to the harness and the OpenMP wait
+    variables (a test process that loaded libllama wrote its own there; an engine in a pod
+    decides for its own CPU limit, as in a real container)."""
+    drop = {"KUBECONFIG", "POLYKV_IMAGE_TABLE", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"}
     return {k: v for k, v in os.environ.items() if k not in drop}

@@ -80,3 +80,20 @@ def test_mount_paths_are_rewritten_as_whole_path_prefixes() -> None:
     assert rewrite("/modelsx/a") == "/modelsx/a"  # not a path prefix
     assert rewrite("s3://bucket/models/a") == "s3://bucket/models/a"
     assert PathRewriter({})("/models/a") == "/models/a"
+
+
+def test_containers_inherit_the_node_environment_but_not_the_harness_or_openmp_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from polykv_testenv.node.container import base_environment
+
+    for var, value in (
+        ("KUBECONFIG", "/tmp/kc"),
+        ("OMP_WAIT_POLICY", "active"),
+        ("GOMP_SPINCOUNT", "10000000"),
+        ("POLYKV_NODE_PROBE", "kept"),
+    ):
+        monkeypatch.setenv(var, value)
+    env = base_environment()
+    assert env["POLYKV_NODE_PROBE"] == "kept"
+    assert not {"KUBECONFIG", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(env)
