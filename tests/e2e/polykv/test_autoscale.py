@@ -254,6 +254,7 @@ class Turns:
     session: str
     pool: str | None
     n_predict: int = 160
+    read_pause_s: float = 0.0  # a slow reader: each turn's stream stays open for longer
     turns: list[Turn] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -285,10 +286,11 @@ class Turns:
         if self.pool:
             body["pool_id"] = self.pool
         headers = {"x-session-id": self.session}
-        t0, n, final = time.time(), 0, None
+        t0, n, final, answered = time.time(), 0, None, False
         try:
             with httpx.stream("POST", f"http://{self.ip}:8080/completion", json=body,
                               headers=headers, timeout=60) as r:  # fmt: skip
+                answered = True
                 if r.status_code != 200:
                     return Turn(t0, time.time(), f"refused {r.status_code}")
                 for line in r.iter_lines():
@@ -296,6 +298,8 @@ class Turns:
                         return Turn(t0, time.time(), "stopped", n)
                     if not line.startswith("data: "):
                         continue
+                    if self.read_pause_s:
+                        time.sleep(self.read_pause_s)
                     ev = json.loads(line[6:])
                     if ev.get("stop"):
                         final = ev
@@ -304,9 +308,44 @@ class Turns:
         except httpx.ConnectError:
             return Turn(t0, time.time(), "unreachable")
         except httpx.HTTPError:
-            return Turn(t0, time.time(), "cut", n)
+            # Closed before any response (a server on its way out, after its last in-flight
+            # answer): not served, as unreachable; closed mid-stream: cut.
+            return Turn(t0, time.time(), "cut" if answered else "unreachable", n)
         done = final is not None and final.get("tokens_predicted") == self.n_predict
         return Turn(t0, time.time(), "done" if done else "cut", n)
+
+
+@dataclass
+class DrainWatch:
+    """When an engine began draining, as the engine itself says it (its /health turns 503 or
+    it stops answering), polled every 20 ms: the pod watch sees the deletion a moment later
+    than it happens, and the engine's SIGTERM comes after that by another."""
+
+    ip: str
+    began: float | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> DrainWatch:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=10.0) as client:
+            while not self._stop.wait(0.02):
+                try:
+                    ok = client.get(f"http://{self.ip}:8080/health").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if not ok:
+                    self.began = time.time()
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
 
 
 def measured_tps(eng: EngineApi, ip: str) -> float:
@@ -435,8 +474,11 @@ def test_floor_pressure_scales_up_and_scale_down_removes_the_emptiest_replica_wh
     )
 
     # The load is gone. Replica a holds the three agents' sessions; b gets one session that
-    # runs turns back to back (unpooled: no floor) until b is removed.
-    drain = Turns(b.ip, "drain-check", None, n_predict=1200).start()
+    # runs turns back to back (unpooled: no floor) until b is removed. The client reads each
+    # stream slowly (1,200 events, ~2 s a turn: the test model decodes one in 0.3 s), so the
+    # deletion lands inside a turn and not in the milliseconds between two.
+    drain = Turns(b.ip, "drain-check", None, n_predict=1200, read_pause_s=0.002).start()
+    drain_watch = DrainWatch(b.ip).start()
     try:
         costs = until(
             k8s_cluster, ns, "deletion costs a=3, b=1",
@@ -455,15 +497,17 @@ def test_floor_pressure_scales_up_and_scale_down_removes_the_emptiest_replica_wh
         eventually("the drain session's turns end", drain.finished, 120)
     finally:
         drain.stop()
+        drain_watch.stop()
         watch.stop()
     assert [r.uid for r in replicas(k8s_cluster, ns)] == [a.uid], costs  # the emptiest went
     outcomes = [t.outcome for t in drain.turns]
     assert "cut" not in outcomes and "stopped" not in outcomes, drain.turns
-    # b kept serving once its deletion began: a turn ended whole after it (the one running
-    # then, or, when the deletion fell between two turns, the next, which started before
-    # SIGTERM reached the engine); none was cut, and the last one found b gone.
-    assert any(t.end > deleted_at and t.outcome == "done" for t in drain.turns), (
-        deleted_at,
+    # b kept serving once it began draining: the turn in flight then ended whole after it;
+    # none was cut, and the last one found b gone.
+    drained_at = drain_watch.began
+    assert drained_at is not None and drained_at >= deleted_at - 1.0, (drained_at, deleted_at)
+    assert any(t.end > drained_at and t.outcome == "done" for t in drain.turns), (
+        drained_at,
         drain.turns,
     )
     assert outcomes[-1] != "done", drain.turns
