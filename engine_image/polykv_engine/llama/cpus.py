@@ -106,8 +106,10 @@ def _own_paths(proc: Path) -> tuple[str | None, str | None]:
     return v2, v1
 
 
-def _own_dirs(proc: Path) -> list[tuple[_Mount, Path]]:
-    """This process's own cgroup directory under each CPU-controlling mount."""
+@lru_cache(maxsize=4)
+def _own_dirs(proc: Path) -> tuple[tuple[_Mount, Path], ...]:
+    """This process's own cgroup directory under each CPU-controlling mount (read once: a
+    process does not change cgroups, and every metrics scrape asks for its cpu.stat)."""
     v2_path, v1_path = _own_paths(proc)
     dirs = []
     for mount in _cpu_mounts(proc):
@@ -120,7 +122,7 @@ def _own_dirs(proc: Path) -> list[tuple[_Mount, Path]]:
         if mount.root != "/" and (own == mount.root or own.startswith(mount.root + "/")):
             rel = own[len(mount.root) :]
         dirs.append((mount, mount.point / rel.lstrip("/")))
-    return dirs
+    return tuple(dirs)
 
 
 def cgroup_quota(proc: Path = Path("/proc")) -> float | None:
