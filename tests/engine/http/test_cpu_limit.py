@@ -130,9 +130,10 @@ def test_threads_follow_the_cpu_limit_and_throttling_shows(
         before = _scrape(eng)
         assert before["polykv_compute_threads"] == [({"omp_wait": "spin"}, 1.0)]
         assert before["polykv_cpu_limit_cores"] == [({}, 1.0)]
-        # Decoding under the limit: the compute thread and the HTTP loop together want more
-        # than the quota at moments, and the cgroup's throttle counter shows it.
-        body = {"prompt": "count", "n_predict": 64, "ignore_eos": True}
+        # Decoding under the limit until the quota bites, and the cgroup's throttle counter
+        # shows it. The test model decodes 64 tokens in ~10 ms, within even a 0.2-CPU period
+        # (that run once found nothing to throttle): turns long enough to overrun 0.1 CPU.
+        body = {"prompt": "count", "n_predict": 400, "ignore_eos": True}
         deadline = time.monotonic() + 120
         while True:
             with httpx.Client(base_url=eng.base_url, timeout=120) as client:
@@ -142,7 +143,7 @@ def test_threads_follow_the_cpu_limit_and_throttling_shows(
             if throttled > before["polykv_cpu_throttled_seconds_total"][0][1]:
                 break
             assert time.monotonic() < deadline, "never throttled under a 1-CPU limit"
-            cgroup.limit(0.2)  # tighter until the quota bites
+            cgroup.limit(0.1)  # tighter until the quota bites
 
 
 def test_explicit_threads_beyond_the_limit_do_not_spin(
