@@ -367,6 +367,17 @@ def calibration_pass(api: Api, wl: Workload, k: int) -> list[dict[str, Any]]:
     return levels
 
 
+def step_ceiling(api: Api) -> dict[str, float]:
+    """The engine's own step-time curve as rates, {b: 1 / t(b)}: the most a session can get
+    with b decoding (admission caps its projection with it), beside the readings."""
+    _, samples = H.scrape_metrics(api.client, api.base_url)
+    out: dict[str, float] = {}
+    for key, seconds in samples.items():
+        if key.startswith('polykv_decode_step_seconds{batch="') and seconds > 0:
+            out[key.split('"')[1]] = 1.0 / seconds
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
 def calibrate(api: Api, wl: Workload) -> dict[str, Any]:
     passes: list[list[dict[str, Any]]] = []
     with H.CpuWatch([api.pid]) as cpu:
@@ -405,6 +416,7 @@ def calibrate(api: Api, wl: Workload) -> dict[str, Any]:
     return {
         "passes": CAL_PASSES,
         "levels": levels,
+        "step_ceiling_tps": step_ceiling(api),
         "monotone": all(a >= b for a, b in itertools.pairwise(curve)),
         "envelope": env,
         "single_session_tps": curve[0],
@@ -734,6 +746,13 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             "counts agents beyond that).",
             "",
         ]
+        if cal.get("step_ceiling_tps"):
+            ceiling = ", ".join(f"{b}: {r:.1f}" for b, r in cal["step_ceiling_tps"].items())
+            lines += [
+                "The engine's step-time curve as rates (1 / t(b), the most a session gets with "
+                f"b decoding; admission caps its projection with it): {ceiling}.",
+                "",
+            ]
     else:
         lines += [f"Floor {floor:.1f} tok/s given on the command line; n_ok = {cal['n_ok']}.", ""]
     headers = [

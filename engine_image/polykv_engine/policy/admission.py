@@ -20,7 +20,9 @@ admits whenever one noisy reading clears the floor admits on the high readings: 
 ramp every over-admit came at a reading 15-20% above the typical rate at that count. So the
 projection is also made from every reading of the last ``RATE_WINDOW_S``, each scaled from
 its own b to R + 1 by the curve, and their median; the lower of that and the projection from
-the live reading decides (a real drop shows at once, a lucky moment does not count).
+the live reading decides (a real drop shows at once, a lucky moment does not count). Both are
+capped by 1 / t(R + 1), the rate a step of R + 1 sessions allows at most (``step_ceiling``):
+the readings after a pause were earned at fewer sessions than the live count says.
 
 Arms, in order (the first that decides wins):
 1. context (hard): ``expected_tokens`` that cannot fit a slot's context or the free cells;
@@ -254,10 +256,24 @@ def project(view: EngineView, memory: LoadMemory, now: float) -> Projection:
 
     def at(n: int) -> float | None:
         now_rate = curve.scale(mean, b, n)
+        if now_rate is None:
+            return None
         typical = memory.typical(curve, n, now)
-        return now_rate if typical is None or now_rate is None else min(now_rate, typical)
+        return min(x for x in (now_rate, typical, step_ceiling(curve, n)) if x is not None)
 
     return Projection(mean * b / (r + 1), at(r + 1), at(r), idle_estimate)
+
+
+def step_ceiling(curve: StepCurve, n: int) -> float | None:
+    """The most a session can get with n decoding together: one token per step, 1 / t(n).
+
+    Scaling a reading by t(b) / t(n) assumes it was earned at b sessions, but a session's
+    EWMA spans ~2 s, and while some agents sat in tool calls it was earned at fewer: right
+    after pauses it overstates by 20-40%. The ceiling reads no rate history at all (the
+    steps it is measured from exclude prompt chunks and loop overhead, so it is an upper
+    bound), which caps that error at its source."""
+    t = curve.time_at(n)
+    return 1.0 / t if t else None
 
 
 def compaction_pressure(view: EngineView) -> float:

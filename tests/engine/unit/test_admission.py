@@ -317,3 +317,22 @@ def test_warming_or_idle_moments_add_no_readings() -> None:
     memory.observe(view(sess(50.0), sess(0.0, warming=True), steps=STEPS), now=0.0)
     memory.observe(view(paused(), steps=STEPS), now=0.1)
     assert not memory.readings
+
+
+def test_a_rate_earned_while_others_paused_is_capped_by_the_step_time() -> None:
+    """The spawn ramp's over-admit: five agents read 51 tok/s right after tool-call pauses
+    (their 2 s EWMAs were earned with fewer decoding), where a step of six takes 35.2 ms.
+    Scaling 51 by t(5) / t(6) says 41.6 and clears a floor of 31.4; no session can get more
+    than one token per step, 1 / t(6) = 28.4, which does not."""
+    steps = curve((4, 0.0250), (5, 0.0287), (6, 0.0352))
+    floor = AdmissionPolicy(target_tps_per_session=31.4, mode="enforced")
+    cap = capacity(floor, PoolAdmissionState(), view(*(sess(51.0, task=i) for i in range(5)),
+                   steps=steps), now=0)  # fmt: skip
+    assert cap.projected_mean_tps_if_admitted == pytest.approx(1 / 0.0352)
+    assert not cap.can_admit and cap.reason == REASON_FLOOR
+    # The ceiling only ever lowers a projection: four agents at the rate the curve allows
+    # project the curve's own rate for five, and are admitted.
+    four = view(*(sess(40.0, task=i) for i in range(4)), steps=steps)
+    cap = capacity(floor, PoolAdmissionState(), four, now=0)
+    assert cap.projected_mean_tps_if_admitted == pytest.approx(40.0 * 0.0250 / 0.0287)
+    assert cap.can_admit
