@@ -132,20 +132,25 @@ def build(client: PolyKVClient, base_url: str, args: argparse.Namespace) -> Any:
         return Command(update={"pending": rest, "spawned": first + len(now)}, goto=sends)
 
     def worker(job: dict[str, Any]) -> dict[str, Any]:
-        me = llm.bind(pool_id="workers", session_scope=f"worker-{job['worker']}")
+        # Tools first, then the worker's pool and session: `bind_tools` on a binding binds the
+        # model underneath and drops the binding's own keys (both workers would then share
+        # the thread's session, and the engine refuses a second turn running in one session).
+        mine = {"pool_id": "workers", "session_scope": f"worker-{job['worker']}"}
         msgs: list[Any] = [
             SystemMessage(CREW[0]["content"]),
             SystemMessage(WORKER[0]["content"]),
             HumanMessage(f"Step: {job['step']}. Estimate it with the tool."),
         ]
-        call = me.bind_tools([estimate_hours], tool_choice="required", parallel_tool_calls=False)
+        call = llm.bind_tools(
+            [estimate_hours], tool_choice="required", parallel_tool_calls=False
+        ).bind(**mine)
         asked = call.invoke(msgs, max_tokens=CALL_TOKENS)
         msgs.append(asked)
         for tc in asked.tool_calls:
             msgs.append(ToolMessage(str(estimate_hours.invoke(tc["args"])), tool_call_id=tc["id"]))
         for bad in asked.invalid_tool_calls:  # every call gets an answer, even a broken one
             msgs.append(ToolMessage(f"error: {bad['error']}", tool_call_id=bad["id"] or ""))
-        done = me.bind_tools([estimate_hours], tool_choice="none").invoke(msgs)
+        done = llm.bind_tools([estimate_hours], tool_choice="none").bind(**mine).invoke(msgs)
         sig = polykv_signals(done)
         reuse = (done.usage_metadata or {}).get("input_token_details", {}).get("cache_read", 0)
         say(
