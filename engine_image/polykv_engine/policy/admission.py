@@ -269,9 +269,12 @@ def step_ceiling(curve: StepCurve, n: int) -> float | None:
 
     Scaling a reading by t(b) / t(n) assumes it was earned at b sessions, but a session's
     EWMA spans ~2 s, and while some agents sat in tool calls it was earned at fewer: right
-    after pauses it overstates by 20-40%. The ceiling reads no rate history at all (the
-    steps it is measured from exclude prompt chunks and loop overhead, so it is an upper
-    bound), which caps that error at its source."""
+    after pauses it overstated by 26-46% in the spawn ramp. The ceiling reads no session
+    rate at all. Its steps exclude prompt chunks and loop time, so it is meant as an upper
+    bound; but t(n) is an EWMA of the latest steps at that size, and when the context has
+    shrunk since then it can read below the rate sessions really get (the 2026-12-01 ramp:
+    1 / t(1) = 50 where one agent read 58). It only ever lowers a projection, the cautious
+    side."""
     t = curve.time_at(n)
     return 1.0 / t if t else None
 
