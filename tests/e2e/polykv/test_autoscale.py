@@ -256,6 +256,7 @@ class Turns:
     n_predict: int = 160
     read_pause_s: float = 0.0  # a slow reader: each turn's stream stays open for longer
     turns: list[Turn] = field(default_factory=list)
+    reading: int = 0  # tokens read so far of the turn in flight
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -305,6 +306,7 @@ class Turns:
                         final = ev
                     else:
                         n += 1
+                        self.reading = n
         except httpx.ConnectError:
             return Turn(t0, time.time(), "unreachable")
         except httpx.HTTPError:
@@ -473,16 +475,24 @@ def test_floor_pressure_scales_up_and_scale_down_removes_the_emptiest_replica_wh
         f"{t_scaled - t_load:.1f} s; load -> new replica Ready {ready_at - t_load:.1f} s"
     )
 
-    # The load is gone. Replica a holds the three agents' sessions; b gets one session that
-    # runs turns back to back (unpooled: no floor) until b is removed. The client reads each
+    # The load is gone. Replica a holds the three agents' sessions; b gets two sessions that
+    # run turns back to back (unpooled: no floor) until b is removed. Each client reads its
     # stream slowly (1,200 events, ~2 s a turn: the test model decodes one in 0.3 s), so the
-    # deletion lands inside a turn and not in the milliseconds between two.
-    drain = Turns(b.ip, "drain-check", None, n_predict=1200, read_pause_s=0.002).start()
+    # deletion lands inside a turn and not in the milliseconds between two. Two sessions, the
+    # second half a turn behind: the deletion can still fall in one session's gap between
+    # turns (or in the last few ms of one, which the 20 ms drain watch cannot tell apart), but
+    # hardly in both sessions' at once.
+    drains = [
+        Turns(b.ip, f"drain-check-{i}", None, n_predict=1200, read_pause_s=0.002) for i in range(2)
+    ]
     drain_watch = DrainWatch(b.ip).start()
     try:
+        drains[0].start()
+        eventually("half of the first drain turn", lambda: drains[0].reading >= 600 or None)
+        drains[1].start()
         costs = until(
-            k8s_cluster, ns, "deletion costs a=3, b=1",
-            lambda: c if (c := pod_costs(k8s_cluster, ns)) == {a.pod: "3", b.pod: "1"} else None,
+            k8s_cluster, ns, "deletion costs a=3, b=2",
+            lambda: c if (c := pod_costs(k8s_cluster, ns)) == {a.pod: "3", b.pod: "2"} else None,
             60,
         )  # fmt: skip
         t_idle = time.time()
@@ -494,23 +504,26 @@ def test_floor_pressure_scales_up_and_scale_down_removes_the_emptiest_replica_wh
             lambda: watch.first(lambda o: bool(o["metadata"].get("deletionTimestamp"))),
             60,
         )
-        eventually("the drain session's turns end", drain.finished, 120)
+        for d in drains:
+            eventually(f"{d.session}'s turns end", d.finished, 120)
     finally:
-        drain.stop()
+        for d in drains:
+            d.stop()
         drain_watch.stop()
         watch.stop()
     assert [r.uid for r in replicas(k8s_cluster, ns)] == [a.uid], costs  # the emptiest went
-    outcomes = [t.outcome for t in drain.turns]
-    assert "cut" not in outcomes and "stopped" not in outcomes, drain.turns
-    # b kept serving once it began draining: the turn in flight then ended whole after it;
-    # none was cut, and the last one found b gone.
+    turns = {d.session: d.turns for d in drains}
+    for session_turns in turns.values():
+        outcomes = [t.outcome for t in session_turns]
+        assert "cut" not in outcomes and "stopped" not in outcomes, turns
+        assert outcomes[-1] != "done", turns  # the last turn found b gone
+    # b kept serving once it began draining: a turn in flight then ended whole after it.
     drained_at = drain_watch.began
     assert drained_at is not None and drained_at >= deleted_at - 1.0, (drained_at, deleted_at)
-    assert any(t.end > drained_at and t.outcome == "done" for t in drain.turns), (
+    assert any(t.end > drained_at and t.outcome == "done" for ts in turns.values() for t in ts), (
         drained_at,
-        drain.turns,
+        turns,
     )
-    assert outcomes[-1] != "done", drain.turns
     print(f"autoscale figures: idle -> HPA scale-down {t_down - t_idle:.1f} s (window 15 s)")
 
 
