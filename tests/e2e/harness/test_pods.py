@@ -150,3 +150,32 @@ def test_grace_period_then_sigkill(
     # SIGTERM was ignored, so only the SIGKILL after the 2 s grace period ended it.
     assert took >= 2.0, took
     assert get_or_none(api, path) is None
+
+
+def test_unicode_line_breaks_in_a_pod_do_not_deafen_the_node(
+    k8s_cluster: ControlPlane, process_node: ProcessNode, namespace: str
+) -> None:
+    """The API server writes U+0085 and U+2028 raw inside a watch event's JSON; a client
+    that splits the stream at every Unicode line break (httpx's iter_lines) broke that
+    event in two and failed every watch after it (the CRD fuzz test's pods did this)."""
+    api = k8s_cluster.api
+    odd = deployment("web")
+    odd["spec"]["template"]["metadata"]["annotations"] = {"note": "next\x85line\u2028sep"}
+    k8s_cluster.apply(odd, namespace)
+    pod = eventually("the pod with line breaks runs", lambda: ready_pod(api, namespace))
+    assert pod["metadata"]["annotations"]["note"] == "next\x85line\u2028sep"
+    # And the node still hears about what comes after it.
+    k8s_cluster.apply(deployment("web-later"), namespace)
+    eventually(
+        "the next pod runs",
+        lambda: (
+            [
+                p
+                for p in api.get(
+                    f"/api/v1/namespaces/{namespace}/pods", labelSelector="app=web-later"
+                )["items"]
+                if p["status"].get("phase") == "Running"
+            ]
+            or None
+        ),
+    )
