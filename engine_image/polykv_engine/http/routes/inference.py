@@ -274,8 +274,16 @@ def _api_error(ev: ErrorEvent) -> ApiError:
     return ApiError(ev.status, ev.message, ev.type, headers=headers, reason=ev.reason)
 
 
+# Unicode line breaks that JSON leaves raw: SSE splits lines at CR and LF only, but many
+# clients split at every Unicode line break (Python's str.splitlines, httpx's iter_lines),
+# and a token carrying one would cut its event in two. Escaped, they decode the same.
+_LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
 def _sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    if not data.isascii():
+        data = data.translate(_LINE_BREAKS)
     return f"data: {data}\n\n".encode()
 
 
