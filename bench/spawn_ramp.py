@@ -30,7 +30,9 @@ spec's workers retire only at episode end), so an over-admit stays until the run
    * ``p7-live``: the same on an engine started with ``--no-polykv-pause-aware-admission``
      (the projection sees only the sessions decoding at that moment);
    * ``p7-paced``: ``p7-live`` plus pacing: after a spawn the orchestrator waits until every
-     agent has finished a turn with the new one present, so the next reading includes it.
+     agent has finished a turn with the new one present, so the next reading includes it;
+   * ``p7-step-cap``: ``p7`` on an engine started with ``--polykv-admission-ceiling step``
+     (the projection capped by decode-only step times, not by token-to-token times).
 
 Measured by sampling ``GET /polykv/tps`` every 0.2 s: time under the floor (seconds in which
 ``mean_active_tps`` < floor while at least one session has a measurement), the deepest dip,
@@ -80,10 +82,15 @@ SAT_RANGE = (3, 5)
 TARGET_REDUCTION = 0.5
 SETTLE_TOKENS = 48  # the spec's defaults
 SETTLE_MAX_MS = 5000
-POLICIES = ("naive-raw", "naive-proj", "p7-live", "p7-paced", "p7")
-# Policies run against a second engine whose admission sees only the sessions decoding now
-# (--no-polykv-pause-aware-admission): the two ways to fix its over-admits, side by side.
-LIVE_ENGINE_POLICIES = ("p7-live", "p7-paced")
+POLICIES = ("naive-raw", "naive-proj", "p7-live", "p7-paced", "p7-step-cap", "p7")
+# Policies run against an engine of their own, started with these flags: one whose admission
+# sees only the sessions decoding now (the two ways to fix its over-admits, side by side), and
+# one whose projection is capped by decode-only step times (the cap before the cycle curve).
+ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
+    "p7-live": ("--no-polykv-pause-aware-admission",),
+    "p7-paced": ("--no-polykv-pause-aware-admission",),
+    "p7-step-cap": ("--polykv-admission-ceiling", "step"),
+}
 
 
 # ---------------------------------------------------------------------------- agents
@@ -367,13 +374,14 @@ def calibration_pass(api: Api, wl: Workload, k: int) -> list[dict[str, Any]]:
     return levels
 
 
-def step_ceiling(api: Api) -> dict[str, float]:
-    """The engine's own step-time curve as rates, {b: 1 / t(b)}: the most a session can get
-    with b decoding (admission caps its projection with it), beside the readings."""
+def curve_rates(api: Api, family: str) -> dict[str, float]:
+    """One of the engine's step-time curves as rates, {b: 1 / t(b)}, beside the readings:
+    ``polykv_decode_step_seconds`` (decode-only steps) or ``polykv_decode_cycle_seconds``
+    (token to token, any step: admission's cap)."""
     _, samples = H.scrape_metrics(api.client, api.base_url)
     out: dict[str, float] = {}
     for key, seconds in samples.items():
-        if key.startswith('polykv_decode_step_seconds{batch="') and seconds > 0:
+        if key.startswith(f'{family}{{batch="') and seconds > 0:
             out[key.split('"')[1]] = 1.0 / seconds
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
@@ -416,7 +424,8 @@ def calibrate(api: Api, wl: Workload) -> dict[str, Any]:
     return {
         "passes": CAL_PASSES,
         "levels": levels,
-        "step_ceiling_tps": step_ceiling(api),
+        "step_ceiling_tps": curve_rates(api, "polykv_decode_step_seconds"),
+        "cycle_ceiling_tps": curve_rates(api, "polykv_decode_cycle_seconds"),
         "monotone": all(a >= b for a, b in itertools.pairwise(curve)),
         "envelope": env,
         "single_session_tps": curve[0],
@@ -586,14 +595,20 @@ def measure(cfg: Config) -> dict[str, Any]:
         wl = make_workload(api, cfg.prefix_tokens, 20_000)
         api.create_pool(TRUNK, wl.prefix)
         apis = dict.fromkeys(cfg.policies, api)
-        if set(cfg.policies) & set(LIVE_ENGINE_POLICIES):
-            # Idle while the other runs (its compute threads sleep): the runs stay sequential.
-            live_args = [*cfg.engine_args(), "--no-polykv-pause-aware-admission"]
-            eng2 = stack.enter_context(H.engine(f"{NAME}-live", model, live_args))
-            assert eng2.proc is not None
-            api2 = Api(client, eng2.base_url, eng2.proc.pid)
-            api2.create_pool(TRUNK, wl.prefix)
-            apis.update((p, api2) for p in cfg.policies if p in LIVE_ENGINE_POLICIES)
+        by_flags: dict[tuple[str, ...], Api] = {}
+        for policy in cfg.policies:
+            flags = ENGINE_FLAGS.get(policy)
+            if flags is None:
+                continue
+            if flags not in by_flags:
+                # Idle while another runs (its compute threads sleep): runs stay sequential.
+                eng2 = stack.enter_context(
+                    H.engine(f"{NAME}-{policy}", model, [*cfg.engine_args(), *flags])
+                )
+                assert eng2.proc is not None
+                by_flags[flags] = Api(client, eng2.base_url, eng2.proc.pid)
+                by_flags[flags].create_pool(TRUNK, wl.prefix)
+            apis[policy] = by_flags[flags]
         if cfg.floor is None:
             H.progress("calibrating the floor")
             cal = calibrate(api, wl)
@@ -694,7 +709,8 @@ POLICY_LABELS = {
     "naive-proj": "naive gate: raw mean × n/(n+1) ≥ floor",
     "p7-live": "P7, live projection (only sessions decoding now)",
     "p7-paced": "P7, live projection + pacing (a full turn of every agent between spawns)",
-    "p7": "P7 as shipped: pause-aware projection on the measured step-time curve",
+    "p7-step-cap": "P7, capped by decode-only step times (the previous cap)",
+    "p7": "P7 as shipped: pause-aware projection, capped by token-to-token times",
 }
 
 
@@ -746,11 +762,22 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             "counts agents beyond that).",
             "",
         ]
-        if cal.get("step_ceiling_tps"):
-            ceiling = ", ".join(f"{b}: {r:.1f}" for b, r in cal["step_ceiling_tps"].items())
+        curves = [
+            (key, what)
+            for key, what in (
+                ("step_ceiling_tps", "decode-only steps, 1 / t(b)"),
+                ("cycle_ceiling_tps", "token to token, any step, 1 / c(b): admission's cap"),
+            )
+            if cal.get(key)
+        ]
+        if curves:
+            text = "; ".join(
+                f"{what}: " + ", ".join(f"{b}: {r:.1f}" for b, r in cal[key].items())
+                for key, what in curves
+            )
             lines += [
-                "The engine's step-time curve as rates (1 / t(b), the most a session gets with "
-                f"b decoding; admission caps its projection with it): {ceiling}.",
+                "The engine's own step-time curves after the calibration, as rates per "
+                f"session at b decoding ({text}).",
                 "",
             ]
     else:
@@ -828,7 +855,7 @@ def _p7_notes(raw: dict[str, Any], res: dict[str, Any]) -> list[str]:
     which fix of the live projection the measurement favours."""
     out: list[str] = []
     pols = res["policies"]
-    fixes = [p for p in ("p7-live", "p7-paced", "p7") if p in pols]
+    fixes = [p for p in ("p7-live", "p7-paced", "p7-step-cap", "p7") if p in pols]
     if len(fixes) > 1:
         parts = [
             f"{p} {pols[p]['under_s']['median']:.1f} s under the floor with "
@@ -836,7 +863,7 @@ def _p7_notes(raw: dict[str, Any], res: dict[str, Any]) -> list[str]:
             f"({pols[p]['aggregate_decode_tps']['median']:.0f} tok/s aggregate)"
             for p in fixes
         ]
-        out += ["Pacing or a pause-aware mean (medians): " + "; ".join(parts) + ".", ""]
+        out += ["The gated policies side by side (medians): " + "; ".join(parts) + ".", ""]
     for policy in fixes:
         runs = sorted((r for r in raw["runs"] if r["policy"] == policy), key=lambda r: r["rep"])
         asked = [e for r in runs for e in r["events"] if "reason" in e]

@@ -22,6 +22,7 @@ from polykv_engine.core.engine import Engine, EngineConfig
 from polykv_engine.http.app import serve
 from polykv_engine.http.app_context import ServerSettings
 from polykv_engine.llama.runtime import CACHE_TYPES, RuntimeConfig
+from polykv_engine.policy.step_time import CEILING_CURVES
 
 
 class JsonFormatter(logging.Formatter):
@@ -190,6 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
         "between turns (for workloads without tool-call pauses, and for comparison)",
     )
     p.add_argument(
+        "--polykv-admission-ceiling",
+        choices=CEILING_CURVES,
+        default="cycle",
+        help="which measured step time caps admission's projection: token-to-token time of "
+        "every step (cycle, the default), decode-only steps (step), or none (for comparison)",
+    )
+    p.add_argument(
         "--polykv-max-queue",
         type=int,
         default=None,
@@ -331,6 +339,7 @@ def config_from_args(
         auto_share=args.auto_share,
         park_mib=args.polykv_park_mib,
         pause_aware_admission=args.pause_aware_admission,
+        admission_ceiling=args.polykv_admission_ceiling,
         max_queue=(
             args.polykv_max_queue if args.polykv_max_queue is not None else 8 * args.parallel
         ),

@@ -48,7 +48,12 @@ from polykv_engine.core.tasks import (
 from polykv_engine.core.textstream import TextAssembler
 from polykv_engine.kv.cache import KVCache
 from polykv_engine.llama.runtime import Batch, LlamaError, LlamaRuntime, RuntimeConfig
-from polykv_engine.policy.step_time import StepTimer
+from polykv_engine.policy.step_time import (
+    CYCLE_ALPHA,
+    CYCLE_MIN_STEPS,
+    CeilingCurve,
+    StepTimer,
+)
 from polykv_engine.policy.tps import SessionRate, ThroughputRate
 from polykv_engine.pools.manager import PoolManager
 from polykv_engine.pools.tree import Pool, PoolError
@@ -84,6 +89,7 @@ class EngineConfig:
     auto_share: bool = True  # share a prompt's prefix with any resident sequence (no pool)
     park_mib: int = 1024  # host memory for idle caches parked out of KV (0: never park)
     pause_aware_admission: bool = True  # admission counts sessions between turns as load
+    admission_ceiling: CeilingCurve = "cycle"  # which step-time curve caps admission's projection
 
 
 class Engine:
@@ -101,6 +107,10 @@ class Engine:
         self._decode_rate = ThroughputRate(cfg.tps_window_s)
         self._prefill_rate = ThroughputRate(cfg.tps_window_s)
         self._step_timer = StepTimer()
+        # Every step with sessions decoding, start to next start (prompt chunks and loop time
+        # included): the time between two tokens of a decoding session, by batch size.
+        self._cycle_timer = StepTimer(alpha=CYCLE_ALPHA, min_steps=CYCLE_MIN_STEPS)
+        self._cycle_from: tuple[int, float] | None = None  # (sessions decoding, step start)
         self._counters = Counters()
         self._deltas: dict[str, float] = {}  # bumps since the last publish, applied there
         self._batch: Batch | None = None
@@ -195,6 +205,8 @@ class Engine:
         self._ready.set()
         try:
             while not self._stop_requested:
+                if not self._has_work():
+                    self._cycle_from = None  # an idle wait is no session's step time
                 self._drain_inbox(block=not self._has_work())
                 if self._stop_requested:
                     break
@@ -621,6 +633,9 @@ class Engine:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
+        if self._cycle_from is not None:
+            self._cycle_timer.record(self._cycle_from[0], t0 - self._cycle_from[1])
+            self._cycle_from = None
         batch = self._batch
         assert batch is not None
         if self.slots.park_due:  # before the batch: new cells may then land low in the cache
@@ -660,6 +675,8 @@ class Engine:
         self._bump(step_seconds=seconds)
         if not retried and decoding == batch.n:
             self._step_timer.record(decoding, seconds)
+        if decoding:
+            self._cycle_from = (decoding, t0)
 
     def _flush_streams(self) -> None:
         """Tokens that sinks hold back leave now, before the engine thread is busy a while."""
@@ -935,6 +952,7 @@ class Engine:
             pool_index=pool_index,
             counters=self._fold_counters(),
             step_curve=self._step_timer.curve(),
+            cycle_curve=self._cycle_timer.curve(),
         )
         answers, self._answers = self._answers, []
         for task, done in answers:

@@ -142,6 +142,7 @@ class EngineSnapshot:
     pool_index: Mapping[PoolRef, PoolSnapshot] = field(default_factory=dict)  # by id and name
     counters: Counters = field(default_factory=Counters)
     step_curve: StepCurve = field(default_factory=StepCurve)  # decode step time by batch size
+    cycle_curve: StepCurve = field(default_factory=StepCurve)  # token-to-token time, any step
 
     @property
     def n_ctx_slot(self) -> int:

@@ -35,6 +35,7 @@ from polykv_engine.policy.admission import (
     retry_after_s,
 )
 from polykv_engine.policy.autoscale import PoolLoad, RecentDistinct, floor_pressure
+from polykv_engine.policy.step_time import CeilingCurve
 from polykv_engine.policy.tps import active_rates
 
 log = logging.getLogger("polykv.admission")
@@ -53,7 +54,10 @@ POLL_S = 0.05
 
 
 def engine_view(
-    snap: EngineSnapshot, pool: PoolSnapshot | None, pause_aware: bool = True
+    snap: EngineSnapshot,
+    pool: PoolSnapshot | None,
+    pause_aware: bool = True,
+    ceiling_curve: CeilingCurve = "cycle",
 ) -> EngineView:
     wall = time.time()  # slots stamp the end of a turn with the wall clock
     sessions = tuple(
@@ -80,7 +84,9 @@ def engine_view(
         idle_slots=sum(1 for s in snap.slots if not s.processing),
         pool_prefix_len=pool.prefix_len if pool is not None else 0,
         step_curve=snap.step_curve,
+        cycle_curve=snap.cycle_curve,
         pause_aware=pause_aware,
+        ceiling_curve=ceiling_curve,
     )
 
 
@@ -90,6 +96,7 @@ class AdmissionGate:
         self.states: dict[int, PoolAdmissionState] = {}
         self.memory = LoadMemory()  # engine-wide: the last measured mean, for idle moments
         self.pause_aware = engine.cfg.pause_aware_admission
+        self.ceiling_curve = engine.cfg.admission_ceiling
         self.counters = PoolCounters(registry)
         # Sessions turned away in the last minute, engine-wide and per pool: demand that a
         # floor-keeping gate hides from the tps figures (autoscaling counts it).
@@ -138,7 +145,7 @@ class AdmissionGate:
     # ------------------------------------------------------------------ questions
 
     def view(self, snap: EngineSnapshot, pool: PoolSnapshot | None) -> EngineView:
-        return engine_view(snap, pool, self.pause_aware)
+        return engine_view(snap, pool, self.pause_aware, self.ceiling_curve)
 
     def capacity(
         self, pool: PoolSnapshot, expected_tokens: int | None, session_id: str | None

@@ -88,6 +88,15 @@ class EngineCollector(Collector):
         for b, seconds in snap.step_curve.points:
             steps.add_metric([str(b)], seconds)
         yield steps
+        cycles = GaugeMetricFamily(
+            "polykv_decode_cycle_seconds",
+            "Measured time between two tokens of a decoding session, any step (prompt chunks "
+            "and loop included), by sessions in the batch (admission's cap)",
+            labels=["batch"],
+        )
+        for b, seconds in snap.cycle_curve.points:
+            cycles.add_metric([str(b)], seconds)
+        yield cycles
         yield from llama_server_series(snap)
 
 

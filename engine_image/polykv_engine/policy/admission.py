@@ -21,8 +21,12 @@ ramp every over-admit came at a reading 15-20% above the typical rate at that co
 projection is also made from every reading of the last ``RATE_WINDOW_S``, each scaled from
 its own b to R + 1 by the curve, and their median; the lower of that and the projection from
 the live reading decides (a real drop shows at once, a lucky moment does not count). Both are
-capped by 1 / t(R + 1), the rate a step of R + 1 sessions allows at most (``step_ceiling``):
-the readings after a pause were earned at fewer sessions than the live count says.
+capped by the rate the engine's own step times give R + 1 sessions (``ceiling``): the
+readings after a pause were earned at fewer sessions than the live count says, while each
+step is timed at the batch it really had. The cap reads the *cycle* curve (token-to-token
+time, prompt chunks included: ``policy.step_time``), since every returning agent brings
+prompt work back with it, and a curve of decode-only steps priced the fifth agent of the
+spawn ramp at a third of what it cost.
 
 Arms, in order (the first that decides wins):
 1. context (hard): ``expected_tokens`` that cannot fit a slot's context or the free cells;
@@ -40,7 +44,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from polykv_api.models import AdmissionPolicy, AdmissionReason, Capacity
-from polykv_engine.policy.step_time import StepCurve
+from polykv_engine.policy.step_time import CeilingCurve, StepCurve
 from polykv_engine.policy.tps import ActiveRates, active_rates
 
 IDLE_SAMPLE_FRESH_S = 30.0  # a measured mean older than this says nothing about now
@@ -94,7 +98,9 @@ class EngineView:
     idle_slots: int
     pool_prefix_len: int
     step_curve: StepCurve = field(default_factory=StepCurve)
+    cycle_curve: StepCurve = field(default_factory=StepCurve)
     pause_aware: bool = True  # count returning sessions, not only those decoding now
+    ceiling_curve: CeilingCurve = "cycle"
 
     @property
     def active(self) -> ActiveRates:
@@ -259,22 +265,27 @@ def project(view: EngineView, memory: LoadMemory, now: float) -> Projection:
         if now_rate is None:
             return None
         typical = memory.typical(curve, n, now)
-        return min(x for x in (now_rate, typical, step_ceiling(curve, n)) if x is not None)
+        return min(x for x in (now_rate, typical, ceiling(view, n)) if x is not None)
 
     return Projection(mean * b / (r + 1), at(r + 1), at(r), idle_estimate)
 
 
-def step_ceiling(curve: StepCurve, n: int) -> float | None:
+def ceiling(view: EngineView, n: int) -> float | None:
     """The most a session can get with n decoding together: one token per step, 1 / t(n).
 
     Scaling a reading by t(b) / t(n) assumes it was earned at b sessions, but a session's
     EWMA spans ~2 s, and while some agents sat in tool calls it was earned at fewer: right
     after pauses it overstated by 26-46% in the spawn ramp. The ceiling reads no session
-    rate at all. Its steps exclude prompt chunks and loop time, so it is meant as an upper
-    bound; but t(n) is an EWMA of the latest steps at that size, and when the context has
-    shrunk since then it can read below the rate sessions really get (the 2026-12-01 ramp:
-    1 / t(1) = 50 where one agent read 58). It only ever lowers a projection, the cautious
-    side."""
+    rate at all, only step times, each measured at the batch that step had. The cycle curve
+    (the default) holds the prompt work the returning agents bring; until it has a point,
+    the decode-only curve stands in. t(n) is an EWMA of recent steps, so when contexts have
+    shrunk since, it can read below the rate sessions get; it only ever lowers a projection,
+    the cautious side."""
+    if view.ceiling_curve == "none":
+        return None
+    curve = view.step_curve
+    if view.ceiling_curve == "cycle" and view.cycle_curve.points:
+        curve = view.cycle_curve
     t = curve.time_at(n)
     return 1.0 / t if t else None
 

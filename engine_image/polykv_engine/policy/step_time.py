@@ -10,14 +10,30 @@ Between measured sizes, and beyond the largest, t(b) follows a least-squares lin
 the measured points (a step's cost is close to affine in b on CPUs and GPUs alike), never
 below the time measured at a smaller size. With a single measured size the curve assumes
 the aggregate rate stays flat (t proportional to b), the cautious guess.
+
+A second curve, the *cycle* curve, times every step that had sessions decoding, from its
+start to the next step's start: prompt chunks riding in the batch, sampling, streaming and
+the loop are all in it, so 1 / cycle(b) is the rate a decoding session really gets at b. It
+is what caps admission's projection: the decode-only curve leaves out the prompt work each
+agent brings back with every turn (its tool's answer), and in the spawn ramp that work made
+the fifth agent cost three times what the decode-only curve said. Its EWMA spans more steps,
+since one step in twenty or so carries a prompt chunk and the mean over the mix is wanted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 STEP_ALPHA = 0.05  # weight of one step in its size's EWMA (~20 steps of memory)
 MIN_STEPS = 16  # steps at a size before that size counts as measured
+CYCLE_ALPHA = 0.01  # ~100 steps of memory: several prompt-carrying steps in the mean
+CYCLE_MIN_STEPS = 32
+
+# Which curve caps admission's projection: "cycle" (shipped), "step" (decode-only steps, the
+# earlier cap) or "none"; the other two are kept for side-by-side measurement.
+CeilingCurve = Literal["cycle", "step", "none"]
+CEILING_CURVES: tuple[CeilingCurve, ...] = ("cycle", "step", "none")
 
 
 @dataclass(frozen=True, slots=True)

@@ -390,13 +390,15 @@ def test_projection_counts_sessions_between_turns_and_uses_the_step_curve(
         # The flat-aggregate model is exact arithmetic on the same reading.
         assert cap["projected_mean_tps_model"] == pytest.approx(cap["mean_active_tps"] * 2 / 4)
 
-        def curve_sizes() -> set[str]:
+        def curve_sizes(family: str = "polykv_decode_step_seconds") -> set[str]:
             text = ac.get("/metrics").text
             fams = {f.name: f for f in text_string_to_metric_families(text)}
-            return {s.labels["batch"] for s in fams["polykv_decode_step_seconds"].samples}
+            return {s.labels["batch"] for s in fams[family].samples}
 
         # Decode-only steps with one and two sessions were timed: the curve is measured.
         wait_for(lambda: {"1", "2"} <= curve_sizes(), what="step curve at sizes 1 and 2")
+        # And the token-to-token times of the two decoding together, admission's cap.
+        wait_for(lambda: "2" in curve_sizes("polykv_decode_cycle_seconds"), what="cycle at 2")
         wait_for(lambda: capacity(ac, "paused")["projected_mean_tps_measured"] is not None)
         cap = capacity(ac, "paused")
         assert 0 < cap["projected_mean_tps_measured"] <= cap["mean_active_tps"] * 1.05

@@ -30,6 +30,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["--polykv-stream-interval-ms", "-1"], "between 0 and 1000"),
         (["--polykv-stream-interval-ms", "5000"], "between 0 and 1000"),
         (["-fa", "sometimes"], "invalid choice"),
+        (["--polykv-admission-ceiling", "prompt"], "invalid choice"),
         (["-fa", "off", "-ctv", "q8_0"], "needs flash attention"),
     ],
 )

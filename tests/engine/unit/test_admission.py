@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from polykv_api.models import AdmissionPolicy
+from polykv_api.models import AdmissionPolicy, Capacity
 from polykv_engine.policy.admission import (
     REASON_CONTEXT,
     REASON_FLOOR,
@@ -21,7 +21,7 @@ from polykv_engine.policy.admission import (
     compaction_pressure,
     retry_after_s,
 )
-from polykv_engine.policy.step_time import StepCurve
+from polykv_engine.policy.step_time import CeilingCurve, StepCurve
 
 
 def sess(tps: float, task: int = 0, warming: bool = False, decoded: int = 100,
@@ -35,10 +35,13 @@ def view(
     total: int = 16_384,
     steps: StepCurve | None = None,
     pause_aware: bool = True,
+    cycles: StepCurve | None = None,
+    ceiling: CeilingCurve = "cycle",
 ) -> EngineView:
     return EngineView(
         tuple(sessions), free, total, 8192, idle_slots=4, pool_prefix_len=200,
-        step_curve=steps or StepCurve(), pause_aware=pause_aware,
+        step_curve=steps or StepCurve(), cycle_curve=cycles or StepCurve(),
+        pause_aware=pause_aware, ceiling_curve=ceiling,
     )  # fmt: skip
 
 
@@ -336,3 +339,43 @@ def test_a_rate_earned_while_others_paused_is_capped_by_the_step_time() -> None:
     cap = capacity(floor, PoolAdmissionState(), four, now=0)
     assert cap.projected_mean_tps_if_admitted == pytest.approx(40.0 * 0.0250 / 0.0287)
     assert cap.can_admit
+
+
+def test_the_cap_reads_token_to_token_times_which_hold_the_prompt_work_agents_bring_back() -> None:
+    """The 2026-12-01 ramp's overshoot: four agents read 27.1 each and a fifth was admitted
+    at a projection of 22.1 against a floor of 21.9, where five then got 19.5. Decode-only
+    steps priced the fifth at +2.8 ms a step; the time between two tokens, prompt chunks of
+    the agents' returning turns included, grew by 4-11 ms an agent up to four, and its line
+    puts five at 50.3 ms: 19.9 tok/s, under the floor."""
+    steps = curve((1, 0.0199), (2, 0.0258), (3, 0.0337), (4, 0.0382), (5, 0.0410))
+    cycles = curve((1, 0.0172), (2, 0.0280), (3, 0.0368), (4, 0.0405))
+    four = [sess(27.1, task=i) for i in range(4)]
+    floor = AdmissionPolicy(target_tps_per_session=21.9, mode="enforced")
+
+    def decide(ceiling: CeilingCurve, with_cycles: bool = True) -> Capacity:
+        v = view(*four, steps=steps, cycles=cycles if with_cycles else None, ceiling=ceiling)
+        return capacity(floor, PoolAdmissionState(), v, now=0)
+
+    cap = decide("cycle")
+    slope, intercept = 0.007870, 0.010950  # the least-squares line through the four cycles
+    assert cap.projected_mean_tps_if_admitted == pytest.approx(1 / (intercept + 5 * slope))
+    assert not cap.can_admit and cap.reason == REASON_FLOOR
+    # Capped by decode-only steps (or before any cycle is timed): 1 / t(5) = 24.4 admits.
+    for cap in (decide("step"), decide("cycle", with_cycles=False)):
+        assert cap.projected_mean_tps_if_admitted == pytest.approx(1 / 0.0410)
+        assert cap.can_admit
+    # No cap: the reading scaled by the curve alone, 27.1 × t(4) / t(5).
+    assert decide("none").projected_mean_tps_if_admitted == pytest.approx(27.1 * 0.0382 / 0.0410)
+
+
+def test_no_cap_lets_a_rate_earned_while_others_paused_through() -> None:
+    steps = curve((4, 0.0250), (5, 0.0287), (6, 0.0352))
+    five = [sess(51.0, task=i) for i in range(5)]
+    floor = AdmissionPolicy(target_tps_per_session=31.4, mode="enforced")
+    capped = capacity(floor, PoolAdmissionState(), view(*five, steps=steps), now=0)
+    uncapped = capacity(
+        floor, PoolAdmissionState(), view(*five, steps=steps, ceiling="none"), now=0
+    )
+    assert not capped.can_admit
+    assert uncapped.projected_mean_tps_if_admitted == pytest.approx(51.0 * 0.0287 / 0.0352)
+    assert uncapped.can_admit
