@@ -108,9 +108,10 @@ class Engine:
         self._prefill_rate = ThroughputRate(cfg.tps_window_s)
         self._step_timer = StepTimer()
         # Every step with sessions decoding, start to next start (prompt chunks and loop time
-        # included): the time between two tokens of a decoding session, by batch size.
+        # included): the time between two tokens of a decoding session, by the number of
+        # sessions in the batch (decoding or prefilling their turn).
         self._cycle_timer = StepTimer(alpha=CYCLE_ALPHA, min_steps=CYCLE_MIN_STEPS)
-        self._cycle_from: tuple[int, float] | None = None  # (sessions decoding, step start)
+        self._cycle_from: tuple[int, float] | None = None  # (sessions in the batch, start)
         self._counters = Counters()
         self._deltas: dict[str, float] = {}  # bumps since the last publish, applied there
         self._batch: Batch | None = None
@@ -676,7 +677,10 @@ class Engine:
         if not retried and decoding == batch.n:
             self._step_timer.record(decoding, seconds)
         if decoding:
-            self._cycle_from = (decoding, t0)
+            # Keyed by every session in the batch, not the decoding ones only: a step that
+            # carries another session's prompt is that session's cost, and admission asks
+            # for the rate when all R + 1 sessions run their turns, prompts included.
+            self._cycle_from = (busy, t0)
 
     def _flush_streams(self) -> None:
         """Tokens that sinks hold back leave now, before the engine thread is busy a while."""

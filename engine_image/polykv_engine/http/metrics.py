@@ -91,7 +91,8 @@ class EngineCollector(Collector):
         cycles = GaugeMetricFamily(
             "polykv_decode_cycle_seconds",
             "Measured time between two tokens of a decoding session, any step (prompt chunks "
-            "and loop included), by sessions in the batch (admission's cap)",
+            "and loop included), by sessions in the batch, decoding or prefilling (admission's "
+            "cap)",
             labels=["batch"],
         )
         for b, seconds in snap.cycle_curve.points:

@@ -12,12 +12,16 @@ below the time measured at a smaller size. With a single measured size the curve
 the aggregate rate stays flat (t proportional to b), the cautious guess.
 
 A second curve, the *cycle* curve, times every step that had sessions decoding, from its
-start to the next step's start: prompt chunks riding in the batch, sampling, streaming and
-the loop are all in it, so 1 / cycle(b) is the rate a decoding session really gets at b. It
-is what caps admission's projection: the decode-only curve leaves out the prompt work each
-agent brings back with every turn (its tool's answer), and in the spawn ramp that work made
-the fifth agent cost three times what the decode-only curve said. Its EWMA spans more steps,
-since one step in twenty or so carries a prompt chunk and the mean over the mix is wanted.
+start to the next step's start, keyed by the sessions in the batch (decoding, or prefilling
+their turn's prompt): prompt chunks, sampling, streaming and the loop are all in it, so
+1 / cycle(n) is the rate a decoding session really gets while n sessions run their turns.
+It is what caps admission's projection: the decode-only curve leaves out the prompt work
+each agent brings back with every turn (its tool's answer), and in the spawn ramp that work
+made the fifth agent cost three times what the decode-only curve said. Keyed by decoding
+sessions only (tried first), a long prompt step landed on whatever few sessions happened to
+be decoding, read 60-90 ms at two and three where a token took 30-40, and the cap refused a
+second agent. Its EWMA spans more steps, since only some steps carry a prompt chunk and the
+mean over the mix is wanted.
 """
 
 from __future__ import annotations
