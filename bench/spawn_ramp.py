@@ -86,10 +86,14 @@ POLICIES = ("naive-raw", "naive-proj", "p7-live", "p7-paced", "p7-step-cap", "p7
 # Policies run against an engine of their own, started with these flags: one whose admission
 # sees only the sessions decoding now (the two ways to fix its over-admits, side by side), and
 # one whose projection is capped by decode-only step times (the cap before the cycle curve).
+# P7 as shipped gets an engine of its own too: the engine-wide step times it learns would
+# otherwise carry the naive gates' heavier mixes into its runs, and the A/B with
+# p7-step-cap would not be like for like.
 ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
     "p7-live": ("--no-polykv-pause-aware-admission",),
     "p7-paced": ("--no-polykv-pause-aware-admission",),
     "p7-step-cap": ("--polykv-admission-ceiling", "step"),
+    "p7": ("--polykv-admission-ceiling", "cycle"),
 }
 
 

@@ -50,6 +50,7 @@ from polykv_engine.kv.cache import KVCache
 from polykv_engine.llama.runtime import Batch, LlamaError, LlamaRuntime, RuntimeConfig
 from polykv_engine.policy.step_time import (
     CYCLE_ALPHA,
+    CYCLE_FRESH_S,
     CYCLE_MIN_STEPS,
     CeilingCurve,
     StepTimer,
@@ -110,7 +111,9 @@ class Engine:
         # Every step with sessions decoding, start to next start (prompt chunks and loop time
         # included): the time between two tokens of a decoding session, by the number of
         # sessions in the batch (decoding or prefilling their turn).
-        self._cycle_timer = StepTimer(alpha=CYCLE_ALPHA, min_steps=CYCLE_MIN_STEPS)
+        self._cycle_timer = StepTimer(
+            alpha=CYCLE_ALPHA, min_steps=CYCLE_MIN_STEPS, fresh_s=CYCLE_FRESH_S
+        )
         self._cycle_from: tuple[int, float] | None = None  # (sessions in the batch, start)
         self._counters = Counters()
         self._deltas: dict[str, float] = {}  # bumps since the last publish, applied there
@@ -635,7 +638,7 @@ class Engine:
     def _step(self) -> None:
         t0 = time.perf_counter()
         if self._cycle_from is not None:
-            self._cycle_timer.record(self._cycle_from[0], t0 - self._cycle_from[1])
+            self._cycle_timer.record(self._cycle_from[0], t0 - self._cycle_from[1], t0)
             self._cycle_from = None
         batch = self._batch
         assert batch is not None
@@ -956,7 +959,7 @@ class Engine:
             pool_index=pool_index,
             counters=self._fold_counters(),
             step_curve=self._step_timer.curve(),
-            cycle_curve=self._cycle_timer.curve(),
+            cycle_curve=self._cycle_timer.curve(time.perf_counter()),
         )
         answers, self._answers = self._answers, []
         for task, done in answers:

@@ -33,6 +33,10 @@ STEP_ALPHA = 0.05  # weight of one step in its size's EWMA (~20 steps of memory)
 MIN_STEPS = 16  # steps at a size before that size counts as measured
 CYCLE_ALPHA = 0.01  # ~100 steps of memory: several prompt-carrying steps in the mean
 CYCLE_MIN_STEPS = 32
+# A cycle size not seen for this long is dropped: the mix of prompt work it was measured
+# under may be gone, and a gate that keeps the load below that size would never visit it
+# again to correct a high reading (it would refuse forever on one bad minute).
+CYCLE_FRESH_S = 30.0
 
 # Which curve caps admission's projection: "cycle" (shipped), "step" (decode-only steps, the
 # earlier cap) or "none"; the other two are kept for side-by-side measurement.
@@ -93,12 +97,18 @@ class StepTimer:
 
     alpha: float = STEP_ALPHA
     min_steps: int = MIN_STEPS
+    fresh_s: float | None = None  # sizes not recorded for this long leave the curve
     _ewma: dict[int, float] = field(default_factory=dict)
     _count: dict[int, int] = field(default_factory=dict)
+    _seen: dict[int, float] = field(default_factory=dict)
 
-    def record(self, b: int, seconds: float) -> None:
+    def record(self, b: int, seconds: float, now: float = 0.0) -> None:
         if b <= 0 or seconds <= 0:
             return
+        if self._stale(b, now):  # start the size over: its old mix says nothing now
+            self._ewma.pop(b, None)
+            self._count.pop(b, None)
+        self._seen[b] = now
         n = self._count.get(b, 0)
         old = self._ewma.get(b)
         # The first steps at a size average plainly, so one slow first step cannot linger.
@@ -106,11 +116,15 @@ class StepTimer:
         self._ewma[b] = seconds if old is None else old + weight * (seconds - old)
         self._count[b] = n + 1
 
-    def curve(self) -> StepCurve:
+    def curve(self, now: float = 0.0) -> StepCurve:
         return StepCurve(
             tuple(
                 (b, t)
                 for b, t in sorted(self._ewma.items())
-                if self._count.get(b, 0) >= self.min_steps
+                if self._count.get(b, 0) >= self.min_steps and not self._stale(b, now)
             )
         )
+
+    def _stale(self, b: int, now: float) -> bool:
+        seen = self._seen.get(b)
+        return self.fresh_s is not None and seen is not None and now - seen > self.fresh_s

@@ -53,3 +53,25 @@ def test_a_line_through_the_sizes_extrapolates_and_never_falls() -> None:
     t1 = gpu.time_at(1)
     assert t1 is not None and t1 >= 0.020 / 4
     assert gpu.scale(45.0, 8, 9) == pytest.approx(45.0 * 0.022 / gpu.time_at(9))  # type: ignore[operator]
+
+
+def test_a_size_not_seen_for_a_while_leaves_the_curve_and_starts_over() -> None:
+    """A gate that keeps the load below a size never visits it again: a high reading there
+    must not refuse forever. The cycle timer drops sizes unseen for ``fresh_s``."""
+    timer = StepTimer(alpha=0.1, min_steps=2, fresh_s=30.0)
+    for t in (0.0, 0.1):
+        timer.record(3, 0.090, now=t)  # a bad minute at 3 sessions
+        timer.record(2, 0.030, now=t)
+    assert dict(timer.curve(now=10.0).points) == {2: 0.030, 3: 0.090}
+    for t in range(11, 60):
+        timer.record(2, 0.030, now=float(t))  # the load stays at 2
+    assert dict(timer.curve(now=60.0).points) == {2: 0.030}  # 3 is gone, 2 is kept
+    # Back at 3: the old readings are not averaged in; it counts again after min_steps.
+    timer.record(3, 0.040, now=61.0)
+    assert 3 not in dict(timer.curve(now=61.0).points)
+    timer.record(3, 0.040, now=61.1)
+    assert dict(timer.curve(now=61.1).points)[3] == pytest.approx(0.040)
+    # The decode-only timer keeps every size (no fresh_s).
+    plain = StepTimer(min_steps=1)
+    plain.record(4, 0.050, now=0.0)
+    assert plain.curve(now=1e6).points == ((4, 0.050),)
