@@ -209,9 +209,10 @@ class Engine:
         self._ready.set()
         try:
             while not self._stop_requested:
-                if not self._has_work():
+                idle = not self._has_work()
+                if idle:
                     self._cycle_from = None  # an idle wait is no session's step time
-                self._drain_inbox(block=not self._has_work())
+                self._drain_inbox(block=idle)
                 if self._stop_requested:
                     break
                 t0 = time.perf_counter()

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from polykv_engine.core.snapshot import EngineSnapshot
 from polykv_engine.llama.cpus import throttled_seconds
 from polykv_engine.policy.autoscale import demand_ratio
+from polykv_engine.policy.step_time import StepCurve
 
 _COUNTERS: list[tuple[str, str, str]] = [
     ("prompt_tokens", "prompt_tokens", "Prompt tokens computed (not served from cache)"),
@@ -80,25 +81,27 @@ class EngineCollector(Collector):
         yield gauge(
             "kv_parked_bytes", "Host memory holding parked idle caches", snap.kv_parked_bytes
         )
-        steps = GaugeMetricFamily(
+        yield curve_family(
             "polykv_decode_step_seconds",
             "Measured time of a decode-only step, by sessions in the batch (admission's curve)",
-            labels=["batch"],
+            snap.step_curve,
         )
-        for b, seconds in snap.step_curve.points:
-            steps.add_metric([str(b)], seconds)
-        yield steps
-        cycles = GaugeMetricFamily(
+        yield curve_family(
             "polykv_decode_cycle_seconds",
             "Measured time between two tokens of a decoding session, any step (prompt chunks "
             "and loop included), by sessions in the batch, decoding or prefilling (admission's "
             "cap)",
-            labels=["batch"],
+            snap.cycle_curve,
         )
-        for b, seconds in snap.cycle_curve.points:
-            cycles.add_metric([str(b)], seconds)
-        yield cycles
         yield from llama_server_series(snap)
+
+
+def curve_family(name: str, doc: str, curve: StepCurve) -> GaugeMetricFamily:
+    """One step-time curve as a gauge family, a series per measured batch size."""
+    family = GaugeMetricFamily(name, doc, labels=["batch"])
+    for b, seconds in curve.points:
+        family.add_metric([str(b)], seconds)
+    return family
 
 
 def llama_server_series(snap: EngineSnapshot) -> Iterator[Metric]:

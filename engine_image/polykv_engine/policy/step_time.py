@@ -27,7 +27,7 @@ mean over the mix is wanted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 STEP_ALPHA = 0.05  # weight of one step in its size's EWMA (~20 steps of memory)
 MIN_STEPS = 16  # steps at a size before that size counts as measured
@@ -41,7 +41,7 @@ CYCLE_FRESH_S = 30.0
 # Which curve caps admission's projection: "cycle" (shipped), "step" (decode-only steps, the
 # earlier cap) or "none"; the other two are kept for side-by-side measurement.
 CeilingCurve = Literal["cycle", "step", "none"]
-CEILING_CURVES: tuple[CeilingCurve, ...] = ("cycle", "step", "none")
+CEILING_CURVES: tuple[str, ...] = get_args(CeilingCurve)
 
 
 @dataclass(frozen=True, slots=True)
