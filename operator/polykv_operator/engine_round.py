@@ -46,6 +46,7 @@ from .fleet import (
     ReplicaRef,
     Settled,
     Synced,
+    boot_named,
 )
 from .policies import PolicyNode, engine_policy, same_policy, select
 from .tree import PoolNode, PoolRequest, Problem, by_name, check, parents_first, request_body
@@ -499,7 +500,8 @@ class Round:
             want.status,
             want.reason,
         )
-        pod = replace(pod, gate="True" if want.status else "False")
+        boot = boot_named(want.message) if want.status else None
+        pod = replace(pod, gate="True" if want.status else "False", gate_boot=boot)
         self.pods[pod.name] = pod
         self.state.pods[pod.name] = pod
 

@@ -8,6 +8,7 @@ round polls every replica again and re-validates every pool (dry runs create not
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,6 +41,9 @@ class ReplicaRef:
     waiting_reason: str | None = None  # e.g. CrashLoopBackOff, RunContainerError
     waiting_message: str | None = None
     deletion_cost: str | None = None  # the pod-deletion-cost annotation as the pod has it
+    # The engine boot a True gate was raised for, as its message names it (`boot_named`):
+    # how an operator that has just started tells a replica it may trust from a restart.
+    gate_boot: str | None = None
 
     @classmethod
     def from_pod(cls, body: Mapping[str, Any]) -> ReplicaRef:
@@ -51,19 +55,41 @@ class ReplicaRef:
         state = c.get("state") or {}
         waiting = state.get("waiting") or {}
         conditions = st.get("conditions") or []
+        gate: Mapping[str, Any] = next((x for x in conditions if x.get("type") == GATE), {})
         return cls(
             name=str(meta.get("name", "")),
             uid=str(meta.get("uid", "")),
             ip=st.get("podIP") or None,
             running="running" in state,
             ready=bool(c.get("ready")),
-            gate=next((x.get("status") for x in conditions if x.get("type") == GATE), None),
+            gate=gate.get("status"),
             terminating=bool(meta.get("deletionTimestamp")),
             restarts=int(c.get("restartCount") or 0),
             waiting_reason=waiting.get("reason"),
             waiting_message=waiting.get("message"),
             deletion_cost=(meta.get("annotations") or {}).get(DELETION_COST),
+            gate_boot=boot_named(gate.get("message")) if gate.get("status") == "True" else None,
         )
+
+
+_BOOT_IN_MESSAGE = re.compile(r" on boot (\S+)$")
+
+
+def boot_tag(boot_id: str) -> str:
+    """An engine boot id as a gate message names it (ids are random: 12 characters will do)."""
+    return boot_id[:12]
+
+
+def boot_message(n_pools: int, boot_id: str) -> str:
+    """The message of a raised gate. It names the engine boot (`boot_tag`) so that a later
+    operator run can read back which engine process was put in service."""
+    return f"{n_pools} declared pools on boot {boot_tag(boot_id)}"
+
+
+def boot_named(message: str | None) -> str | None:
+    """The boot tag a raised gate's message names (`boot_message`), if any."""
+    m = _BOOT_IN_MESSAGE.search(message or "")
+    return m.group(1) if m else None
 
 
 def replica_changed(before: ReplicaRef | None, now: ReplicaRef) -> bool:

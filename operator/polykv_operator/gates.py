@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .fleet import Observation, ReplicaRef, Synced
+from .fleet import Observation, ReplicaRef, Synced, boot_message, boot_tag
 
 
 @dataclass(frozen=True)
@@ -20,12 +20,27 @@ class GateWant:
 
 
 def restarted(pod: ReplicaRef, obs: Observation | None, synced: Synced | None) -> bool:
-    """The engine process is not the one whose gate we turned True."""
+    """The engine process is not the one whose gate was turned True: by us (`synced`), or,
+    before we synced it, by an earlier operator run (the boot its gate message names)."""
+    boot = obs.boot_id if obs is not None else None
     if synced is None:
-        return False
+        named = pod.gate_boot if pod.gate == "True" else None
+        return named is not None and boot is not None and boot_tag(boot) != named
     if pod.restarts != synced.restarts:
         return True
-    return obs is not None and obs.boot_id is not None and obs.boot_id != synced.boot_id
+    return boot is not None and boot != synced.boot_id
+
+
+def in_service(pod: ReplicaRef, obs: Observation | None, synced: Synced | None) -> bool:
+    """The gate is True for the engine process answering now. After an operator restart
+    (nothing synced yet) the boot named in the gate's message vouches for it, so that a
+    restarted operator repairs a serving replica in place instead of taking it out."""
+    if pod.gate != "True":
+        return False
+    if synced is not None:
+        return not restarted(pod, obs, synced)
+    boot = obs.boot_id if obs is not None else None
+    return pod.gate_boot is not None and boot is not None and boot_tag(boot) == pod.gate_boot
 
 
 def decide(
@@ -40,17 +55,17 @@ def decide(
         return GateWant(
             False, "EngineUnreachable", f"no answer from the engine: {obs and obs.error}"
         )
-    again = restarted(pod, obs, synced)
-    if pod.gate == "True" and synced is not None and not again:
+    if in_service(pod, obs, synced):
         # In service: a pool added later, or lost by hand, is repaired in place.
         return None
-    boot = (obs.boot_id or "")[:12]
-    if complete:
-        return GateWant(True, "PoolsMaterialized", f"{n_pools} declared pools on boot {boot}")
-    if again:
+    boot = boot_tag(obs.boot_id or "")
+    if restarted(pod, obs, synced):
+        # Before `complete`: a new operator has no renders yet, and an empty tree is complete.
         return GateWant(
             False, "EngineRestarted", f"engine restarted (boot {boot}); re-materializing pools"
         )
+    if complete:
+        return GateWant(True, "PoolsMaterialized", boot_message(n_pools, obs.boot_id or ""))
     return GateWant(False, "Materializing", f"materializing {n_pools} declared pools")
 
 

@@ -18,7 +18,14 @@ from polykv_operator.engine_round import (
     run_round,
     serve,
 )
-from polykv_operator.fleet import EngineState, Fleet, Render, RenderFailure, ReplicaRef
+from polykv_operator.fleet import (
+    EngineState,
+    Fleet,
+    Render,
+    RenderFailure,
+    ReplicaRef,
+    boot_named,
+)
 from polykv_operator.gates import GateWant
 from polykv_operator.policies import PolicyNode
 from polykv_operator.status import engine_status
@@ -41,7 +48,10 @@ class Harness:
     async def write_gate(self, name: str, want: GateWant) -> None:
         self.gates.append((name, want.status, want.reason))
         p = self.pods[name]
-        self.pods[name] = ReplicaRef(**{**p.__dict__, "gate": "True" if want.status else "False"})
+        # As the pod reads back: a raised gate's message names the engine boot.
+        boot = boot_named(want.message) if want.status else None
+        gate = "True" if want.status else "False"
+        self.pods[name] = ReplicaRef(**{**p.__dict__, "gate": gate, "gate_boot": boot})
 
     def run(
         self, pools: Sequence[PoolNode], policies: Sequence[PolicyNode] = (), engines=("eng",)
@@ -106,6 +116,33 @@ def test_restarted_replica_drops_its_gate_then_gets_the_tree_back() -> None:
     h.run(tree())
     assert h.gates == [("eng-2", False, "EngineRestarted"), ("eng-2", True, "PoolsMaterialized")]
     assert set(h.engine(2).pools) == {"root", "extend", "branch"}
+
+
+def test_a_new_operator_repairs_a_serving_replica_in_place() -> None:
+    """After an operator restart nothing is synced; the boot the gate's message names
+    vouches for the replica, so a pool declared meanwhile is added without taking it out."""
+    h = Harness(1)
+    h.run(tree())
+    assert h.pods["eng-1"].gate_boot == "boot-1"
+    h.state = EngineState((NS, "eng"), admin_key="k")  # the new operator's memory
+    h.gates.clear()
+    h.run([*tree(), pool("late", parent="root", text=ROOT + " Later.")])
+    assert h.gates == []
+    assert "late" in h.engine().pools
+
+
+def test_a_new_operator_drops_the_gate_of_an_engine_that_restarted_meanwhile() -> None:
+    """Its first round has no renders, so an empty engine looks complete: the gate's boot
+    tells the restart, and the gate drops before the tree is re-created."""
+    h = Harness(1)
+    h.run(tree())
+    h.engine().restart("boot-1b")
+    h.state = EngineState((NS, "eng"), admin_key="k")
+    h.gates.clear()
+    h.run(tree())
+    assert h.gates == [("eng-1", False, "EngineRestarted"), ("eng-1", True, "PoolsMaterialized")]
+    assert set(h.engine().pools) == {"root", "extend", "branch"}
+    assert h.pods["eng-1"].gate_boot == "boot-1b"
 
 
 def test_too_large_branch_pos_stalls_the_pool_and_creates_nothing() -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from polykv_operator.fleet import Observation, Synced
+from polykv_operator.fleet import Observation, ReplicaRef, Synced, boot_named
 from polykv_operator.gates import decide, must_drop
+from polykv_operator.names import GATE
 
 from .builders import pod
 from .fake_engine import FakeEngine
@@ -37,9 +38,33 @@ def test_restart_drops_the_gate() -> None:
 
 
 def test_operator_restart_verifies_before_trusting_a_true_gate() -> None:
-    p = pod("p", "1.2.3.4", gate="True")
+    p = pod("p", "1.2.3.4", gate="True")  # no boot named: verified by the tree
     assert decide(p, obs(), None, complete=True, n_pools=1) is not None  # stays True
     assert decide(p, obs(), None, complete=False, n_pools=1).status is False  # type: ignore[union-attr]
+
+
+def test_operator_restart_trusts_the_boot_the_gate_names() -> None:
+    up = decide(pod("p", "1.2.3.4"), obs("b1"), None, complete=True, n_pools=2)
+    assert up is not None and boot_named(up.message) == "b1"
+    p = pod("p", "1.2.3.4", gate="True", gate_boot=boot_named(up.message))
+    assert decide(p, obs("b1"), None, complete=False, n_pools=3) is None  # repaired in place
+    gone = decide(p, obs("b2"), None, complete=True, n_pools=3)  # complete: nothing rendered
+    assert gone is not None and not gone.status and gone.reason == "EngineRestarted"
+
+
+def test_the_boot_is_read_back_from_the_pod() -> None:
+    long_id = "0123456789abcdef0123456789abcdef"
+    up = decide(pod("p", "1.2.3.4"), obs(long_id), None, complete=True, n_pools=2)
+    assert up is not None
+    body = {
+        "metadata": {"name": "p", "uid": "u"},
+        "status": {"conditions": [{"type": GATE, "status": "True", "message": up.message}]},
+    }
+    assert ReplicaRef.from_pod(body).gate_boot == long_id[:12]
+    body["status"]["conditions"][0]["status"] = "False"
+    assert ReplicaRef.from_pod(body).gate_boot is None
+    assert boot_named("materializing 3 declared pools") is None
+    assert boot_named(None) is None
 
 
 def test_unreachable() -> None:

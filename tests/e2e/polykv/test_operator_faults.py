@@ -30,14 +30,18 @@ from ..helpers import Obj, condition, eventually, gone
 from .test_operator import (
     EngineApi,
     Operator,
+    PodWatch,
     apply,
     engine_manifest,
+    gate_of,
     get,
+    is_pod,
     no_pools,
     obj_path,
     pool_manifest,
     reason,
     replicas,
+    tree_manifests,
     wait_condition,
 )
 
@@ -192,6 +196,45 @@ def test_changes_while_the_operator_is_down_are_all_reconciled(
     (rep,) = replicas(k8s_cluster, namespace)
     assert api.pools(rep.ip)["plain"].admission is not None  # the relabel took effect
     wait_condition(k8s_cluster, namespace, "admissionpolicies", "floor", "Ready", 60)
+
+
+def test_an_engine_that_restarted_while_the_operator_was_down_leaves_service_first(
+    k8s_cluster: ControlPlane, process_node: ProcessNode, namespace: str, operator: Operator
+) -> None:
+    """Figure: the engine SIGKILLed and back (Ready, gate still True, KV empty) before the
+    operator starts again: the new operator drops the gate (EngineRestarted, told by the
+    boot its gate message names) and raises it only once all 3 pools are back."""
+    apply(k8s_cluster, namespace, engine_manifest(), *tree_manifests())
+    names = {"crew", "planner", "shell"}
+    converged(k8s_cluster, namespace, names)
+    (rep,) = replicas(k8s_cluster, namespace)
+    operator.stop()
+    pid = process_node.pid(namespace, rep.pod)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+
+    def back() -> Obj | None:  # the new engine serves, the stale gate still says True
+        pod = k8s_cluster.api.get(f"/api/v1/namespaces/{namespace}/pods/{rep.pod}")
+        (c,) = pod["status"]["containerStatuses"]
+        return pod if c["restartCount"] == rep.restarts + 1 and c.get("ready") else None
+
+    assert gate_of(eventually("engine container back", back, 90)) == "True"
+    assert EngineApi(k8s_cluster, namespace).pools(rep.ip) == {}
+    watch = PodWatch(k8s_cluster, namespace)
+    started = time.time()
+    operator.start()
+
+    def dropped_then_raised() -> tuple[float, float] | None:
+        down = watch.first(lambda o: is_pod(rep.uid)(o) and gate_of(o) == "False", started)
+        up = down and watch.first(lambda o: is_pod(rep.uid)(o) and gate_of(o) == "True", down)
+        return (down, up) if down and up else None
+
+    _, up = eventually("gate dropped, then raised", dropped_then_raised, 120)
+    watch.stop()
+    pools = EngineApi(k8s_cluster, namespace).pools(rep.ip)
+    assert set(pools) == names
+    assert all(started < p.created_ts <= up for p in pools.values()), (up, pools)
+    assert "reason=EngineRestarted" in operator.runs[-1].log()
 
 
 @pytest.mark.slow
