@@ -14,9 +14,11 @@
 # backend reports AMX.
 #
 # Patches (scripts/patches/*.patch, ours, applied to the vendored tree in name order) change
-# only speed, never results: ggml-cpu-fa-skip-masked.patch lets the CPU flash-attention kernel
+# only speed, never results: ggml-cpu-fa-live-cells.patch lets the CPU flash-attention kernel
 # pass over other sequences' cells of a unified KV cache a word at a time (one cell in n is a
-# query's own when n sessions decode together). The wheel records what it was built with in
+# query's own when n sessions decode together) and prefetch the K and V rows of the cells it
+# will visit next (a query's own rows are n rows apart: too far for the hardware prefetchers
+# to follow across pages). The logits stay bit-identical. The wheel records what it was built with in
 # llama_cpp/polykv_build.json, which the engine reports in /props.
 #
 # The compile takes ~15-25 minutes on 2 cores; every later run reuses the cached wheel.
