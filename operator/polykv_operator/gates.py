@@ -19,28 +19,32 @@ class GateWant:
     message: str
 
 
+def _named_boot_is_current(pod: ReplicaRef, obs: Observation | None) -> bool | None:
+    """Whether the boot a True gate's message names is the engine's boot now; None when
+    either is unknown (no True gate, a gate without a boot, no listing)."""
+    boot = obs.boot_id if obs is not None else None
+    if pod.gate != "True" or pod.gate_boot is None or boot is None:
+        return None
+    return boot_tag(boot) == pod.gate_boot
+
+
 def restarted(pod: ReplicaRef, obs: Observation | None, synced: Synced | None) -> bool:
     """The engine process is not the one whose gate was turned True: by us (`synced`), or,
     before we synced it, by an earlier operator run (the boot its gate message names)."""
-    boot = obs.boot_id if obs is not None else None
     if synced is None:
-        named = pod.gate_boot if pod.gate == "True" else None
-        return named is not None and boot is not None and boot_tag(boot) != named
+        return _named_boot_is_current(pod, obs) is False
     if pod.restarts != synced.restarts:
         return True
-    return boot is not None and boot != synced.boot_id
+    return obs is not None and obs.boot_id is not None and obs.boot_id != synced.boot_id
 
 
 def in_service(pod: ReplicaRef, obs: Observation | None, synced: Synced | None) -> bool:
     """The gate is True for the engine process answering now. After an operator restart
     (nothing synced yet) the boot named in the gate's message vouches for it, so that a
     restarted operator repairs a serving replica in place instead of taking it out."""
-    if pod.gate != "True":
-        return False
-    if synced is not None:
-        return not restarted(pod, obs, synced)
-    boot = obs.boot_id if obs is not None else None
-    return pod.gate_boot is not None and boot is not None and boot_tag(boot) == pod.gate_boot
+    if synced is None:
+        return _named_boot_is_current(pod, obs) is True
+    return pod.gate == "True" and not restarted(pod, obs, synced)
 
 
 def decide(
