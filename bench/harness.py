@@ -358,6 +358,24 @@ def http_client(timeout_s: float = 600.0) -> httpx.Client:
     return httpx.Client(timeout=httpx.Timeout(timeout_s), limits=httpx.Limits(max_connections=64))
 
 
+def open_connections(client: httpx.Client, base: str, n: int) -> None:
+    """Leave ``n`` kept-alive connections to ``base`` in ``client``'s pool, so that requests
+    released together go out at once: without them each thread first connects, and on a
+    machine whose cores the server's compute threads fill, the connects of the later threads
+    trail the first request by up to a step (the server under test then starts that request
+    alone, the others a step later, and what is measured is the arrival spread)."""
+    gate = threading.Barrier(n)
+
+    def hold() -> None:
+        with client.stream("GET", f"{base}/health") as resp:
+            gate.wait(60)  # every connection busy at once: none is reused by another thread
+            resp.read()  # then back to the pool, kept alive
+
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        for fut in [pool.submit(hold) for _ in range(n)]:
+            fut.result()
+
+
 def sse_events(
     client: httpx.Client, url: str, body: Mapping[str, Any]
 ) -> Iterator[tuple[float, dict[str, Any]]]:

@@ -290,6 +290,7 @@ def one_level(srv: Server, cfg: Config, model: str, rep: int, k: int) -> dict[st
             for i in range(k)
         ]
         started = [False]
+        H.open_connections(client, srv.base_url, k)
 
         def released() -> None:
             if k == max(cfg.levels):
@@ -410,6 +411,7 @@ def release_agents(
         )
         for i in range(AGENTS)
     ]
+    H.open_connections(client, base, AGENTS)
     with H.CpuWatch([pid]) as cpu:
         results = H.run_together(fns, lambda: None)
     return {"agents": results, "foreign_cpu_cores": cpu.foreign_cores}

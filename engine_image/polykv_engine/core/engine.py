@@ -74,6 +74,10 @@ PUBLISH_EVERY_S = 0.01
 
 T = TypeVar("T")
 
+# How long a step may wait for requests that arrive together: the server reads a burst one
+# request at a time (about a millisecond each on a busy CPU).
+ARRIVAL_GATHER_S = 0.02
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -130,6 +134,13 @@ class Engine:
         self.pools_disabled_reason: str | None = None
         self._reclaim_key: tuple[int, tuple[int, ...]] | None = None
         self._reclaim_cells = 0
+        self._arrived = False  # a request was queued since the last arrival barrier
+        self.arrival_barrier: Callable[[float], None] | None = None
+        """Set by the server before ``start()``. Called on the engine thread when requests
+        arrived, with a time limit; returns once requests read beside them were submitted (a
+        burst of agents is read one request at a time on the server's loop), so their prompts
+        go into one step: otherwise the first is prefilled alone and the others, one step
+        later, wait for it, while it waits for theirs before its second token."""
 
     # ------------------------------------------------------------------ any thread
 
@@ -213,6 +224,7 @@ class Engine:
                 if idle:
                     self._cycle_from = None  # an idle wait is no session's step time
                 self._drain_inbox(block=idle)
+                self._gather_arrivals()
                 if self._stop_requested:
                     break
                 t0 = time.perf_counter()
@@ -307,6 +319,19 @@ class Engine:
     def _has_work(self) -> bool:
         return bool(self._waiting) or self._busy()
 
+    def _gather_arrivals(self) -> None:
+        """While requests keep arriving, let the server hand over the ones it is reading."""
+        if self.arrival_barrier is None:
+            return
+        deadline = time.monotonic() + ARRIVAL_GATHER_S
+        while self._arrived and not self._stop_requested:
+            self._arrived = False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.arrival_barrier(left)
+            self._drain_inbox(block=False)
+
     def _drain_inbox(self, block: bool) -> None:
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
@@ -356,6 +381,7 @@ class Engine:
             self._fail(task, 409, "conflict_error", "session_busy", msg, retry_after=1)
             return
         self._waiting.append(task)
+        self._arrived = True
 
     def _cancel(self, task_id: int) -> None:
         for task in list(self._waiting):

@@ -20,6 +20,7 @@ from polykv_engine.http.admission_gate import AdmissionGate
 from polykv_engine.http.app_context import APP_KEY, AppContext, ServerSettings
 from polykv_engine.http.auth import auth_middleware
 from polykv_engine.http.errors import DEFAULT_REASONS, ApiError
+from polykv_engine.http.mailbox import loop_turns
 from polykv_engine.http.metrics import ComputeThreads, build_registry
 from polykv_engine.http.routes import inference, info, pools
 
@@ -118,6 +119,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    engine.arrival_barrier = loop_turns(loop)
     engine.start()
     await asyncio.to_thread(engine.wait_ready)
     if engine.load_error is not None:

@@ -1,4 +1,5 @@
-"""Engine-thread events into the asyncio loop, one wake-up per burst.
+"""Engine-thread events into the asyncio loop, one wake-up per burst; and the engine thread
+waiting for the loop to take its turn.
 
 Every decode step hands each running request a token. Waking the loop once per event (a
 self-pipe write and a loop iteration each) costs a syscall per stream per step; a mailbox
@@ -12,6 +13,7 @@ import asyncio
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 
@@ -53,3 +55,26 @@ def mailbox(loop: asyncio.AbstractEventLoop) -> LoopMailbox:
         if box is None:
             box = _MAILBOXES[loop] = LoopMailbox(loop)
         return box
+
+
+def loop_turns(loop: asyncio.AbstractEventLoop, turns: int = 8) -> Callable[[float], None]:
+    """A function for another thread: ``wait(timeout_s)`` returns once ``loop`` has run
+    everything that was ready when it was called (and what that made ready, ``turns``
+    deep), or after ``timeout_s``: request handlers already started reach the engine."""
+
+    def wait(timeout_s: float) -> None:
+        done = threading.Event()
+
+        def turn(left: int) -> None:
+            if left <= 1:
+                done.set()
+            else:
+                loop.call_soon(turn, left - 1)
+
+        try:
+            loop.call_soon_threadsafe(turn, turns)
+        except RuntimeError:  # the loop is closed: nobody is arriving
+            return
+        done.wait(timeout_s)
+
+    return wait

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from polykv_engine.core.tasks import ErrorEvent, Event, TokenEvent
-from polykv_engine.http.mailbox import mailbox
+from polykv_engine.http.mailbox import loop_turns, mailbox
 from polykv_engine.http.routes.inference import QueueSink
 
 
@@ -125,3 +125,63 @@ def test_a_whole_response_ignores_flush_until_its_end() -> None:
         return wakes[0]
 
     assert asyncio.run(main()) == 1
+
+
+def _loop_in_thread() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    return loop, thread
+
+
+def _close(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(30)
+    loop.close()
+
+
+def test_loop_turns_returns_after_handlers_already_started_reached_their_end() -> None:
+    loop, thread = _loop_in_thread()
+    try:
+        submitted: list[int] = []
+
+        async def handler(i: int) -> None:  # reads, parses, tokenizes: a few loop iterations
+            for _ in range(3):
+                await asyncio.sleep(0)
+            submitted.append(i)
+
+        wait = loop_turns(loop)
+        ready = threading.Event()
+
+        def start_burst() -> None:  # what one select() of readable requests starts
+            for i in range(4):
+                loop.create_task(handler(i))
+            ready.set()
+
+        loop.call_soon_threadsafe(start_burst)
+        assert ready.wait(30)
+        wait(30.0)  # the limit is far; the turns end it
+        assert submitted == [0, 1, 2, 3]
+    finally:
+        _close(loop, thread)
+
+
+def test_loop_turns_gives_up_at_its_limit_on_a_blocked_loop_and_on_a_closed_one() -> None:
+    loop, thread = _loop_in_thread()
+    release = threading.Event()
+    try:
+        loop.call_soon_threadsafe(release.wait, 60)  # a handler that holds the loop
+        wait = loop_turns(loop)
+        done = threading.Event()
+
+        def waiter() -> None:
+            wait(0.05)
+            done.set()
+
+        threading.Thread(target=waiter, daemon=True).start()
+        assert done.wait(30), "loop_turns waited past its limit on a blocked loop"
+        assert not release.is_set()  # it returned while the loop was still blocked
+    finally:
+        release.set()
+        _close(loop, thread)
+    loop_turns(loop)(30.0)  # closed: returns at once, raises nothing
