@@ -750,4 +750,5 @@ async def serve(
             await asyncio.sleep(min(0.5 * 2**failures, 10.0))
             continue
         failures = 0
+        state.rounds_done += 1
         metrics.RECONCILES.labels("engine", "round", "ok").inc()

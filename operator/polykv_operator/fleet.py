@@ -233,7 +233,8 @@ class EngineState:
     synced: dict[str, Synced] = field(default_factory=dict)  # pod uid ->
     deleting: set[str] = field(default_factory=set)  # pool uids whose release has begun
     refused: dict[str, int] = field(default_factory=dict)  # pool uid -> refused releases
-    rounds: int = 0
+    rounds: int = 0  # rounds begun
+    rounds_done: int = 0  # rounds of the engine's loop finished, statuses written
     mean_active_tps: float | None = None
     unmanaged_pools: int = 0  # pools no PolyKVPool declares (agent-made), over the replicas
     statuses_key: int | None = None  # the inputs its pools' statuses were last written from

@@ -337,19 +337,23 @@ def test_the_loop_runs_a_round_when_poked_and_writes_only_what_changed() -> None
         )
         return Snapshot(view, "uid-eng", 1, {}, "1")
 
+    async def finished(n: int) -> int:
+        # A round at once (first start, then the poke), not at the 30 s interval; waited for
+        # to its end (statuses written), not its start.
+        for _ in range(3000):
+            if h.state.rounds_done >= n:
+                return h.state.rounds
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"round {n} did not finish; {h.state.rounds} begun")
+
     async def scenario() -> list[int]:
         task = asyncio.create_task(
             serve(h.state, snapshot, fleet, h.http, h.write_gate, write_status, 30.0, lambda: False)
         )
-        seen = []
-        for step in range(2):
-            for _ in range(1000):  # a round at once (first start, then the poke), not in 30 s
-                await asyncio.sleep(0.02)
-                if h.state.rounds > step:
-                    break
-            seen.append(h.state.rounds)
-            pools.append(pool("extra", text="Another root."))
-            h.state.poke()
+        seen = [await finished(1)]
+        pools.append(pool("extra", text="Another root."))
+        h.state.poke()
+        seen.append(await finished(2))
         task.cancel()
         return seen
 
