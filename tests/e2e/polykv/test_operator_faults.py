@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -262,7 +263,9 @@ def test_api_server_down_for_a_minute(
             }
             time.sleep(1)
     finally:
-        k8s_cluster.start_component("kube-apiserver")
+        restarting = datetime.now()
+        k8s_cluster.start_component("kube-apiserver")  # returns once /readyz says ok
+        operator.forbidden_ok.append((restarting, datetime.now()))
     apply(k8s_cluster, namespace, *subtree(1))
     converged(k8s_cluster, namespace, {"root", "a0", "b0", "a1", "b1"})
     assert operator.alive() and operator.runs[-1].proc.pid == pid
