@@ -18,8 +18,12 @@
 # pass over other sequences' cells of a unified KV cache a word at a time (one cell in n is a
 # query's own when n sessions decode together) and prefetch the K and V rows of the cells it
 # will visit next (a query's own rows are n rows apart: too far for the hardware prefetchers
-# to follow across pages). The logits stay bit-identical. The wheel records what it was built with in
-# llama_cpp/polykv_build.json, which the engine reports in /props.
+# to follow across pages). ggml-cpu-q4_1-cols.patch gives Q4_1 weights (the type of the
+# SmolLM2 file on PyPI) a batched kernel: ggml has none for Q4_1 (repacking and its tiled path
+# cover other types), so a decode step of n sessions unpacked every weight block n times; the
+# patch unpacks it once for up to 8 columns. Either way the logits stay bit-identical. The
+# wheel records what it was built with in llama_cpp/polykv_build.json, which the engine
+# reports in /props.
 #
 # The compile takes ~15-25 minutes on 2 cores; every later run reuses the cached wheel.
 # Prints the wheel path as the last line of stdout.

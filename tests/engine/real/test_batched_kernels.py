@@ -1,0 +1,130 @@
+"""Our build's batched Q4_1 kernel (scripts/patches/ggml-cpu-q4_1-cols.patch) computes what
+ggml's one-column kernel computes, bit for bit.
+
+With flash attention on, llama.cpp's CPU logits do not depend on how tokens are batched: each
+weight product is one dot product per token, however many tokens share the step. The patch
+routes a step of several tokens through a kernel that unpacks each Q4_1 weight block once for
+up to 8 of them, while a step of one token keeps ggml's own kernel. So the logits of a batch
+must equal, bit for bit, those of the same tokens decoded one at a time; a column mixed up
+or a scale applied to the wrong token would change them. The counts cover full groups of 8
+and the remainders (11 sessions: 8 + 3; a 37-token prompt: 4 × 8 + 5)."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from llama_cpp import llama_cpp as C
+
+from polykv_engine.llama.runtime import Batch, LlamaRuntime, RuntimeConfig
+from tests.conftest import real_model_path
+
+pytestmark = pytest.mark.real_model
+
+MODEL = "smollm2-135m-instruct-q4_1"
+SESSIONS = 11
+PROMPT_LENS = [5, 9, 3, 12, 7, 4, 10, 6, 8, 2, 11]
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def model_path() -> Path:
+    return real_model_path(MODEL)
+
+
+@pytest.fixture
+def runtime(model_path: Path) -> Iterator[LlamaRuntime]:
+    rt = LlamaRuntime(
+        RuntimeConfig(model_path, n_ctx=2048, n_batch=512, n_seq_max=SESSIONS, flash_attn="on")
+    )
+    try:
+        yield rt
+    finally:
+        rt.close()
+
+
+def logits(rt: LlamaRuntime, idx: int) -> np.ndarray:
+    ptr = C.llama_get_logits_ith(rt.ctx, idx)
+    return np.ctypeslib.as_array(
+        ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(rt.info.n_vocab,)
+    ).copy()
+
+
+def decode(rt: LlamaRuntime, batch: Batch) -> None:
+    assert rt.decode(batch) == 0
+
+
+def sessions_run(rt: LlamaRuntime, together: bool) -> np.ndarray:
+    """Prompts one session at a time, then STEPS decode steps of every session: in one batch
+    (together) or one token per llama_decode. Returns the decode steps' logits."""
+    batch = rt.new_batch()
+    try:
+        for s, n in enumerate(PROMPT_LENS):
+            batch.clear()
+            batch.add_span([50 + 3 * s + 7 * p for p in range(n)], 0, s, logits_last=True)
+            decode(rt, batch)
+        out = []
+        for step in range(STEPS):
+            tokens = [100 + 13 * s + 17 * step for s in range(SESSIONS)]
+            rows = []
+            if together:
+                batch.clear()
+                for s, tok in enumerate(tokens):
+                    batch.add(tok, PROMPT_LENS[s] + step, s, True)
+                decode(rt, batch)
+                rows = [logits(rt, s) for s in range(SESSIONS)]
+            else:
+                for s, tok in enumerate(tokens):
+                    batch.clear()
+                    batch.add(tok, PROMPT_LENS[s] + step, s, True)
+                    decode(rt, batch)
+                    rows.append(logits(rt, 0))
+            out.append(np.stack(rows))
+        return np.stack(out)
+    finally:
+        batch.free()
+
+
+def prompt_run(rt: LlamaRuntime, chunk: int) -> np.ndarray:
+    """One 37-token prompt fed `chunk` tokens per llama_decode, every position's logits."""
+    tokens = [50 + 7 * p for p in range(37)]
+    batch = rt.new_batch()
+    out = []
+    try:
+        for start in range(0, len(tokens), chunk):
+            batch.clear()
+            part = tokens[start : start + chunk]
+            for k, tok in enumerate(part):
+                batch.add(tok, start + k, 0, True)
+            decode(rt, batch)
+            out += [logits(rt, i) for i in range(len(part))]
+        return np.stack(out)
+    finally:
+        batch.free()
+
+
+def test_the_model_has_q4_1_weights(runtime: LlamaRuntime) -> None:
+    # Otherwise the tests below would not reach the patched kernel.
+    assert "Q4_1" in runtime.info.description, runtime.info.description
+
+
+def test_a_decode_step_of_eleven_sessions_equals_eleven_one_token_steps(
+    runtime: LlamaRuntime,
+) -> None:
+    batched = sessions_run(runtime, together=True)
+    runtime.clear_memory()
+    single = sessions_run(runtime, together=False)
+    assert np.isfinite(batched).all()
+    assert np.array_equal(batched, single), float(np.abs(batched - single).max())
+    # The sessions differ, so a kernel that wrote one session's result for all would fail.
+    assert not np.array_equal(batched[:, 0], batched[:, 1])
+
+
+def test_a_prompt_in_one_batch_equals_the_prompt_token_by_token(runtime: LlamaRuntime) -> None:
+    whole = prompt_run(runtime, 37)
+    runtime.clear_memory()
+    one_by_one = prompt_run(runtime, 1)
+    assert np.array_equal(whole, one_by_one), float(np.abs(whole - one_by_one).max())
