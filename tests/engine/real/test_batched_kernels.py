@@ -1,13 +1,15 @@
-"""Our build's batched Q4_1 kernel (scripts/patches/ggml-cpu-q4_1-cols.patch) computes what
-ggml's one-column kernel computes, bit for bit.
+"""Our build's Q4_1 kernels (scripts/patches/ggml-cpu-q4_1-cols.patch) compute what ggml's
+own Q4_1 kernel computes, bit for bit.
 
 With flash attention on, llama.cpp's CPU logits do not depend on how tokens are batched: each
-weight product is one dot product per token, however many tokens share the step. The patch
-routes a step of several tokens through a kernel that unpacks each Q4_1 weight block once for
-up to 8 of them, while a step of one token keeps ggml's own kernel. So the logits of a batch
-must equal, bit for bit, those of the same tokens decoded one at a time; a column mixed up
-or a scale applied to the wrong token would change them. The counts cover full groups of 8
-and the remainders (11 sessions: 8 + 3; a 37-token prompt: 4 × 8 + 5)."""
+weight product is one dot product per (weight row, token), however many tokens share the step
+(checked on the unpatched build too). The patch sends a step of several tokens through a
+kernel that unpacks each weight block once for up to 8 tokens, and a step of one token
+through one that reads the token's block once for 4 weight rows; ggml's kernel is left for the
+remainders. Each keeps the single kernel's arithmetic per pair, so a batch's logits must
+equal, bit for bit, those of the same tokens decoded one at a time: a column mixed up, a row
+skipped or a scale applied to the wrong token would change them. The counts cover full groups
+and remainders (11 sessions: 8 + 3; a 37-token prompt: 4 x 8 + 5)."""
 
 from __future__ import annotations
 
