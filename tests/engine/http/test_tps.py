@@ -11,6 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from polykv_engine.policy.tps import DEFAULT_WINDOW_S, DEFAULT_WINDOW_TOKENS, SessionRate
 from polykv_engine.testing import EngineProcess, running_engine
 
 from .conftest import greedy
@@ -33,20 +34,25 @@ def _stream_and_time(base_url: str, n: int, session: str) -> tuple[list[float], 
 
 @pytest.mark.slow
 def test_session_tps_ewma_matches_client_measured_rate(bench_model: Path, tmp_path: Path) -> None:
-    # On the ~100M bench model a session decodes at tens of tokens/s, so the EWMA's 2 s time
-    # window applies (the 128-token window only matters above 64 tokens/s). Compare it with
-    # the rate the client sees over the last 2 s. The machine is noisy: best of three runs.
+    # The engine's EWMA, applied to the times the client received each token, must give what
+    # the engine reports: it measures tokens where the client sees them, not something else.
+    # Same estimator on both sides, so a rate that drifts during the run (a busy machine, a
+    # growing context) moves both alike. Every token is its own write here (stream interval
+    # 0): grouped writes would hand the client several tokens at one instant.
     errors = []
-    with running_engine(bench_model, ["-np", "1", "-c", "1024"], tmp_path / "e.log") as eng:
+    args = ["-np", "1", "-c", "1024", "--polykv-stream-interval-ms", "0"]
+    with running_engine(bench_model, args, tmp_path / "e.log") as eng:
         for attempt in range(3):
             arrivals, final = _stream_and_time(eng.base_url, 200, f"tps-{attempt}")
-            tail = [t for t in arrivals if t >= arrivals[-1] - 2.0]
-            client_rate = (len(tail) - 1) / (tail[-1] - tail[0])
+            client = SessionRate(DEFAULT_WINDOW_TOKENS, DEFAULT_WINDOW_S)
+            for t in arrivals:
+                client.on_token(t)
             ewma = final["polykv"]["tps_ewma"]  # type: ignore[index]
-            errors.append(abs(ewma - client_rate) / client_rate)
-            if errors[-1] <= 0.05:
+            errors.append(abs(ewma - client.tps) / client.tps)
+            if errors[-1] <= 0.02:
                 break
-    assert min(errors) <= 0.05, errors
+    print(f"engine EWMA vs the client's: relative errors {errors}")
+    assert min(errors) <= 0.02, errors
 
 
 def test_tps_snapshot_while_sessions_decode(engine: EngineProcess) -> None:
