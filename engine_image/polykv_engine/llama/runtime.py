@@ -516,13 +516,18 @@ class LlamaRuntime:
         reads the vocabulary)."""
         check_grammar(self._vocab, grammar)
 
-    def token_logprobs(self, idx: int, token: int, n_top: int) -> TokenLogprobs:
-        """log-softmax of the raw logits at batch index ``idx`` (what the model predicted,
-        before any sampler): the chosen token's logprob and the ``n_top`` most likely."""
+    def logits(self, idx: int) -> np.ndarray:
+        """The raw logits at batch index ``idx``: a view into llama.cpp's buffer, valid until
+        the next decode (copy to keep)."""
         ptr = C.llama_get_logits_ith(self.ctx, idx)
         if not ptr:
             raise LlamaError(f"no logits at batch index {idx}")
-        logits = np.ctypeslib.as_array(ptr, shape=(self.info.n_vocab,)).astype(np.float64)
+        return np.ctypeslib.as_array(ptr, shape=(self.info.n_vocab,))
+
+    def token_logprobs(self, idx: int, token: int, n_top: int) -> TokenLogprobs:
+        """log-softmax of the raw logits at batch index ``idx`` (what the model predicted,
+        before any sampler): the chosen token's logprob and the ``n_top`` most likely."""
+        logits = self.logits(idx).astype(np.float64)
         peak = float(logits.max())
         lse = peak + math.log(float(np.exp(logits - peak).sum()))
         top: tuple[tuple[int, float], ...] = ()

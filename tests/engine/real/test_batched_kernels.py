@@ -13,13 +13,11 @@ and remainders (11 sessions: 8 + 3; a 37-token prompt: 4 x 8 + 5)."""
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from llama_cpp import llama_cpp as C
 
 from polykv_engine.llama.runtime import Batch, LlamaRuntime, RuntimeConfig
 from tests.conftest import real_model_path
@@ -48,13 +46,6 @@ def runtime(model_path: Path) -> Iterator[LlamaRuntime]:
         rt.close()
 
 
-def logits(rt: LlamaRuntime, idx: int) -> np.ndarray:
-    ptr = C.llama_get_logits_ith(rt.ctx, idx)
-    return np.ctypeslib.as_array(
-        ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(rt.info.n_vocab,)
-    ).copy()
-
-
 def decode(rt: LlamaRuntime, batch: Batch) -> None:
     assert rt.decode(batch) == 0
 
@@ -77,13 +68,13 @@ def sessions_run(rt: LlamaRuntime, together: bool) -> np.ndarray:
                 for s, tok in enumerate(tokens):
                     batch.add(tok, PROMPT_LENS[s] + step, s, True)
                 decode(rt, batch)
-                rows = [logits(rt, s) for s in range(SESSIONS)]
+                rows = [rt.logits(s).copy() for s in range(SESSIONS)]
             else:
                 for s, tok in enumerate(tokens):
                     batch.clear()
                     batch.add(tok, PROMPT_LENS[s] + step, s, True)
                     decode(rt, batch)
-                    rows.append(logits(rt, 0))
+                    rows.append(rt.logits(0).copy())
             out.append(np.stack(rows))
         return np.stack(out)
     finally:
@@ -102,7 +93,7 @@ def prompt_run(rt: LlamaRuntime, chunk: int) -> np.ndarray:
             for k, tok in enumerate(part):
                 batch.add(tok, start + k, 0, True)
             decode(rt, batch)
-            out += [logits(rt, i) for i in range(len(part))]
+            out += [rt.logits(i).copy() for i in range(len(part))]
         return np.stack(out)
     finally:
         batch.free()
