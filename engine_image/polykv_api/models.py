@@ -20,6 +20,9 @@ TokenId = Annotated[int, Field(ge=0)]
 # sends the wrong type learns it from a 400 instead of getting a guess.
 SESSION_ID_PATTERN = r"^[!-~]{1,256}$"
 """A session id travels in headers (x-session-id, echoed back): visible ASCII only."""
+POOL_NAME_PATTERN = r"^(?=.*[^0-9])[A-Za-z0-9][A-Za-z0-9._:-]{0,252}$"
+"""A pool name: letters, digits, '.', '_', ':', '-', a letter or digit first, never all
+digits (a string of digits is a pool id). The engine's rule, which clients check too."""
 
 
 class _Request(BaseModel):

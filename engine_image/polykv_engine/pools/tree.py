@@ -19,13 +19,13 @@ from typing import Literal
 
 import xxhash
 
-from polykv_api.models import AdmissionPolicy, PoolRef, Reason
+from polykv_api.models import POOL_NAME_PATTERN, AdmissionPolicy, PoolRef, Reason
 from polykv_engine.ids import decimal
 from polykv_engine.tokens import common_prefix_len
 
 Residency = Literal["materializing", "resident", "evicted"]
 
-NAME_RE = re.compile(r"^(?=.*[^0-9])[A-Za-z0-9][A-Za-z0-9._:-]{0,252}$")
+NAME_RE = re.compile(POOL_NAME_PATTERN)
 _HASH_SEED = 0x9E3779B97F4A7C15
 _PACK = struct.Struct("<QI")
 
