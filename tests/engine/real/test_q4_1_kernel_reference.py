@@ -272,6 +272,15 @@ def test_the_patched_kernels_called_directly_match_the_reference() -> None:
         worst = max(worst, within(row_out[None, :nr], sub, f"_rows, {nr} rows"))
     print(f"direct calls: worst error {worst:.3f} of the tolerance")
 
+    # And the check sees a stride ignored: told the packed column stride, the kernel reads
+    # columns 1..7 shifted into the noise, and every one of them is outside the tolerance
+    # (NaN included: noise bytes can make an fp16 scale NaN).
+    out = np.full((8, 3), np.nan, dtype=np.float32)
+    packed = x_spaced.shape[1] - Q8_1_BLOCK.itemsize
+    cols(k, out.ctypes.data, 3, w_spaced.ctypes.data, x_spaced.ctypes.data, packed, 8)
+    share = np.abs(out[:, 0] - ref.out[:, 0]) / ref.tolerance[:, 0]
+    assert share[0] <= 1.0 and not (share[1:] <= 1.0).any(), share
+
 
 SMOLLM2 = "smollm2-135m-instruct-q4_1"
 # An attention projection (576 -> 576), the narrow K projection (576 -> 192, three KV heads)
