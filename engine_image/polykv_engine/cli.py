@@ -21,6 +21,7 @@ from typing import Any
 from polykv_engine.core.engine import Engine, EngineConfig
 from polykv_engine.http.app import serve
 from polykv_engine.http.app_context import ServerSettings
+from polykv_engine.http.tenants import KeyEntry, KeyFileError, assign_tenants, parse_key_file
 from polykv_engine.llama.runtime import CACHE_TYPES, RuntimeConfig
 from polykv_engine.policy.step_time import CEILING_CURVES
 
@@ -117,7 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="key for every route but /health and /metrics (repeatable)",
     )
-    p.add_argument("--api-key-file", type=Path, help="file with one API key per line")
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        help="file with one API key per line, each its own tenant, or 'TENANT: KEY' lines "
+        "(keys of one tenant share its sessions; '#' comments and blank lines ignored)",
+    )
     p.add_argument(
         "--metrics",
         action="store_true",
@@ -139,12 +145,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--polykv-admin-key",
         action="append",
         default=[],
-        help="key for mutating /polykv routes (default: the API key)",
+        help="key for mutating /polykv routes, and to see every tenant's sessions (default: "
+        "the API key, when all API keys are one tenant's)",
     )
     p.add_argument(
         "--polykv-admin-key-file",
         type=Path,
         help="file with one admin key per line (also: the POLYKV_ADMIN_KEY variable)",
+    )
+    p.add_argument(
+        "--polykv-router-key",
+        action="append",
+        default=[],
+        help="the router's key: a request carrying it in X-PolyKV-Router-Key may mark itself "
+        "re-homed or overcommitted (also: the POLYKV_ROUTER_KEY variable)",
     )
     p.add_argument(
         "--polykv-pool-grace-ms",
@@ -245,24 +259,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _read_keys(path: Path | None, flag: str, parser: argparse.ArgumentParser) -> list[str]:
+def _read_keys(path: Path | None, flag: str, parser: argparse.ArgumentParser) -> list[KeyEntry]:
     if path is None:
         return []
     try:
-        return [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
-    except OSError as exc:
+        return parse_key_file(path.read_text())
+    except (OSError, KeyFileError) as exc:
         parser.error(f"{flag}: {exc}")
 
 
 def _keys(
     given: list[str], env: str, path: Path | None, flag: str, parser: argparse.ArgumentParser
-) -> tuple[str, ...]:
+) -> list[KeyEntry]:
     """Keys from flags, an environment variable and a file (files and env keep secrets out
     of the process's argv, which anyone in the pod can read with ps)."""
-    keys = [k for k in given if k]
+    keys = [KeyEntry(k, None) for k in given if k]
     if os.environ.get(env):
-        keys.append(os.environ[env])
-    return tuple(keys + _read_keys(path, flag, parser))
+        keys.append(KeyEntry(os.environ[env], None))
+    return keys + _read_keys(path, flag, parser)
 
 
 def config_from_args(
@@ -304,14 +318,31 @@ def config_from_args(
         parser.error("--polykv-stream-interval-ms must be between 0 and 1000")
     if not 50 <= args.polykv_tps_interval_ms <= 60_000:
         parser.error("--polykv-tps-interval-ms must be between 50 and 60000")
-    api_keys = _keys(args.api_key, "LLAMA_API_KEY", args.api_key_file, "--api-key-file", parser)
-    admin_keys = _keys(
-        args.polykv_admin_key,
-        "POLYKV_ADMIN_KEY",
-        args.polykv_admin_key_file,
-        "--polykv-admin-key-file",
-        parser,
+    entries = _keys(args.api_key, "LLAMA_API_KEY", args.api_key_file, "--api-key-file", parser)
+    key_tenants = assign_tenants(entries)
+    api_keys = tuple(key for key, _ in key_tenants)
+    admin_keys = tuple(
+        e.key
+        for e in _keys(
+            args.polykv_admin_key,
+            "POLYKV_ADMIN_KEY",
+            args.polykv_admin_key_file,
+            "--polykv-admin-key-file",
+            parser,
+        )
     )
+    router_keys = tuple(
+        e.key for e in _keys(args.polykv_router_key, "POLYKV_ROUTER_KEY", None, "", parser)
+    )
+    n_tenants = len({tenant for _, tenant in key_tenants})
+    if n_tenants > 1 and not admin_keys:
+        # Without an admin key every inference key used to be the admin's: with several
+        # tenants that would let each see and manage the others' sessions and pools.
+        parser.error(
+            f"the API keys name {n_tenants} tenants and no --polykv-admin-key is set: pass "
+            "an admin key (POLYKV_ADMIN_KEY), or put the keys under one tenant in "
+            "--api-key-file ('NAME: KEY' lines)"
+        )
     runtime = RuntimeConfig(
         model_path=args.model,
         n_ctx=args.ctx_size,
@@ -348,7 +379,9 @@ def config_from_args(
         host=args.host,
         port=args.port,
         api_keys=api_keys,
-        admin_keys=admin_keys or api_keys,
+        admin_keys=admin_keys or api_keys,  # one tenant (or none): its keys are the admin's
+        key_tenants=key_tenants,
+        router_keys=router_keys,
         metrics=args.metrics,
         model_alias=args.alias,
         tps_stream_interval_ms=args.polykv_tps_interval_ms,

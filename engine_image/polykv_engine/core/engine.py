@@ -372,10 +372,13 @@ class Engine:
             msg = f"the engine queue is full ({self.cfg.max_queue} requests wait for a slot)"
             self._fail(task, 503, "unavailable_error", "queue_full", msg, retry_after=2)
             return
-        sid = task.session_id
+        sid, tenant = task.session_id, task.tenant
         if sid is not None and (
-            any(s.session_id == sid and s.state != "idle" for s in self.slots.slots)
-            or any(w.session_id == sid for w in self._waiting)
+            any(
+                s.session_id == sid and s.tenant == tenant and s.state != "idle"
+                for s in self.slots.slots
+            )
+            or any(w.session_id == sid and w.tenant == tenant for w in self._waiting)
         ):
             msg = f"session {sid!r} already has a request running; send turns one at a time"
             self._fail(task, 409, "conflict_error", "session_busy", msg, retry_after=1)
@@ -420,8 +423,10 @@ class Engine:
             if self._waits_for_a_shared_prefix(task):
                 still.append(task)
                 continue
-            session_slot = table.slot_of(task.session_id)
-            chosen = choose_slot(views, task.prompt, session_slot, task.id_slot, task.cache_prompt)
+            session_slot = table.slot_of(task.tenant, task.session_id)
+            chosen = choose_slot(
+                views, task.prompt, session_slot, task.id_slot, task.cache_prompt, task.tenant
+            )
             if chosen is None:
                 still.append(task)
                 continue
@@ -498,6 +503,10 @@ class Engine:
     def _begin(self, slot: Slot, task: GenerateTask) -> None:
         now = time.perf_counter()
         self.slots.park_due = True  # others may now be worth parking
+        if slot.tenant is not None and slot.tenant != task.tenant:
+            # Another tenant's cache: never reused (what it holds would show in cache_n and
+            # in the prefill time), so it goes before anything is attached or kept.
+            self.slots.forget_kv(slot)
         restored = self.slots.unpark(slot, task.prompt if task.cache_prompt else [])
         self._bump(kv_unparked_tokens=restored)
         p_shared = 0
@@ -507,10 +516,14 @@ class Engine:
             except PoolError as exc:
                 self._fail_pool(task, exc, "conflict_error")
                 return
-        same_session = task.session_id is not None and slot.session_id == task.session_id
+        same_session = (
+            task.session_id is not None
+            and slot.session_id == task.session_id
+            and slot.tenant == task.tenant
+        )
         task.prev_tps = slot.rate.tps if same_session else 0.0
         task.slot_id = slot.slot_id
-        self.slots.bind(slot, task.session_id)
+        self.slots.bind(slot, task.tenant, task.session_id)
         keep = common_prefix_len(slot.cache_tokens, task.prompt)
         if not task.cache_prompt:
             keep = min(keep, p_shared)
@@ -519,7 +532,7 @@ class Engine:
         self.kv.truncate(slot.slot_id, keep)
         del slot.cache_tokens[keep:]
         if task.cache_prompt and self._auto_share:
-            keep = self._share_prefix(slot, task.prompt, keep)
+            keep = self._share_prefix(slot, task, keep)
         self._update_pool_link(slot, task.pool)
         if task.pool is not None and task.pool.seq_id is not None:
             task.shared_prefix = self.kv.model.common_cells(slot.slot_id, task.pool.seq_id)
@@ -583,28 +596,33 @@ class Engine:
         cache: a split cache gives every slot its own cells, so nothing can be shared)."""
         return self.cfg.auto_share and self.rt.cfg.kv_unified and self._plain_kv
 
-    def _resident_prefix(self, slot: Slot | None, prompt: list[int]) -> tuple[int, int]:
+    def _resident_prefix(self, slot: Slot | None, task: GenerateTask) -> tuple[int, int]:
         """(sequence id, P): the resident sequence other than ``slot`` whose cells hold the
-        longest prefix of ``prompt`` (another session's prompt cache, a running session's
-        context, the part of a prompt already prefilled, or a resident pool)."""
+        longest prefix of the task's prompt: a session's prompt cache, a running session's
+        context or the part of a prompt already prefilled, all of the task's own tenant
+        (another tenant's would tell, through cache_n and the prefill time, what its prompts
+        hold), or the pool the task attached (a pool it did not name is not searched: that
+        would confirm the pool's prompt token by token to a client that never attaches it)."""
+        prompt = task.prompt
         best_seq, best = -1, 0
         for other in self.slots.slots:
-            if other is not slot and len(other.cache_tokens) > best:
+            if other is not slot and other.tenant == task.tenant and len(other.cache_tokens) > best:
                 p = common_prefix_len(other.cache_tokens, prompt)
                 if p > best:
                     best_seq, best = other.slot_id, p
-        for pool in self.pools.tree.pools.values():
-            if pool.residency == "resident" and pool.seq_id is not None:
-                p = common_prefix_len(pool.tokens, prompt)
-                if p > best:
-                    best_seq, best = pool.seq_id, p
+        pool = task.pool
+        if pool is not None and pool.residency == "resident" and pool.seq_id is not None:
+            p = common_prefix_len(pool.tokens, prompt)
+            if p > best:
+                best_seq, best = pool.seq_id, p
         return best_seq, best
 
-    def _share_prefix(self, slot: Slot, prompt: list[int], keep: int) -> int:
+    def _share_prefix(self, slot: Slot, task: GenerateTask, keep: int) -> int:
         """Automatic prefix sharing: extend the slot's reused prefix with cells another
         sequence already computed for the same tokens (``seq_cp``: nothing is copied, no
         token is prefilled twice). Returns the new number of reused prompt tokens."""
-        src, p = self._resident_prefix(slot, prompt)
+        prompt = task.prompt
+        src, p = self._resident_prefix(slot, task)
         p = min(p, len(prompt) - 1)  # the last prompt token is recomputed for its logits
         if p <= keep:
             return keep
@@ -619,17 +637,19 @@ class Engine:
         agents released together on one system prompt)."""
         if not task.cache_prompt or not self._auto_share:
             return False
-        prefilling = [s for s in self.slots.slots if s.state == "prefill"]
+        prefilling = [
+            s for s in self.slots.slots if s.state == "prefill" and s.tenant == task.tenant
+        ]
         if not prefilling:
             return False
         coming = max(common_prefix_len(s.prompt, task.prompt) for s in prefilling)
         if coming < SHARE_WAIT_MIN_TOKENS:
             return False
-        own = self.slots.slot_of(task.session_id)
+        own = self.slots.slot_of(task.tenant, task.session_id)
         have = common_prefix_len(self.slots[own].cached, task.prompt) if own is not None else 0
         if task.pool is not None:
             have = max(have, common_prefix_len(task.pool.tokens, task.prompt))
-        _, resident = self._resident_prefix(None, task.prompt)
+        _, resident = self._resident_prefix(None, task)
         return coming - max(have, resident) >= SHARE_WAIT_MIN_TOKENS
 
     def _swa_reusable(self, slot: Slot, keep: int) -> int:

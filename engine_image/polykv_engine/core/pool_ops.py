@@ -6,15 +6,20 @@ touches the tree or the KV cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
-from polykv_api.models import AdmissionPolicy, PoolList, PoolRef, PoolStatus
+from polykv_api.models import AdmissionPolicy, PoolList, PoolRef, PoolSession, PoolStatus
 from polykv_engine.core.engine import Engine
+from polykv_engine.core.snapshot import SlotSnapshot
 from polykv_engine.pools import listing as pool_listing
 from polykv_engine.pools.manager import CreateResult, PoolSpec
 from polykv_engine.pools.tree import Pool, PoolError
 
 Action = Literal["pin", "unpin", "evict", "flush"]
+
+# Whether the caller may see the session ids of a tenant (http.tenants.Identity.sees).
+Viewer = Callable[[str | None], bool]
 
 
 def _enabled(e: Engine) -> None:
@@ -54,16 +59,33 @@ def release(e: Engine, ref: PoolRef) -> int:
     return pool.pool_id
 
 
-def listing(e: Engine, boot_id: str) -> PoolList:
-    """Status of every pool and the engine-wide figures."""
-    return pool_listing.render(
-        e.pools, e.slots.snapshots(), boot_id, e.rt.n_ctx, e.measure_used_cells()
-    )
+def listing(e: Engine, boot_id: str, sees: Viewer | None = None) -> PoolList:
+    """Status of every pool and the engine-wide figures; ``sees``: sessions of tenants the
+    caller may not see are listed without their ids."""
+    snaps = e.slots.snapshots()
+    out = pool_listing.render(e.pools, snaps, boot_id, e.rt.n_ctx, e.measure_used_cells())
+    if sees is not None:
+        rows = [s for p in out.pools for s in p.sessions] + out.unpooled_sessions
+        _redact(rows, snaps, sees)
+    return out
 
 
-def subtree(e: Engine, ref: PoolRef) -> list[PoolStatus]:
+def subtree(e: Engine, ref: PoolRef, sees: Viewer | None = None) -> list[PoolStatus]:
     """Status of ``ref`` and of its descendants, the pool first."""
-    return pool_listing.subtree(e.pools, e.slots.snapshots(), e.pools.tree.resolve(ref))
+    snaps = e.slots.snapshots()
+    out = pool_listing.subtree(e.pools, snaps, e.pools.tree.resolve(ref))
+    if sees is not None:
+        _redact([s for p in out for s in p.sessions], snaps, sees)
+    return out
+
+
+def _redact(rows: Iterable[PoolSession], snaps: Sequence[SlotSnapshot], sees: Viewer) -> None:
+    """Another tenant's session keeps its figures (KV, rate: capacity is everyone's
+    concern), not its id. Done here, from the snapshots the listing was built from."""
+    tenant = {s.slot_id: s.tenant for s in snaps}
+    for row in rows:
+        if not sees(tenant.get(row.slot)):
+            row.session_id = None
 
 
 def erase_slot(e: Engine, slot_id: int) -> int:

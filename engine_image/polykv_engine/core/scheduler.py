@@ -32,8 +32,10 @@ def choose_slot(
     session_slot: int | None,
     id_slot: int,
     cache_prompt: bool,
+    tenant: str = "",
 ) -> int | None:
-    """The slot to use now, or None when the request must keep waiting."""
+    """The slot to use now, or None when the request must keep waiting. Another tenant's
+    cache is never reused, so it never counts as a shared prefix here."""
     if session_slot is not None:
         return session_slot if slots[session_slot].idle else None
     if id_slot >= 0:
@@ -44,7 +46,8 @@ def choose_slot(
         if not s.idle:
             continue
         free = s.session_id is None
-        lcp = common_prefix_len(s.cache_tokens, prompt) if cache_prompt and free else 0
+        reusable = cache_prompt and free and s.tenant in (None, tenant)
+        lcp = common_prefix_len(s.cache_tokens, prompt) if reusable else 0
         key = (free, lcp, -s.last_used)
         if best is None or key > best:
             best, chosen = key, s.slot_id

@@ -36,6 +36,7 @@ class SlotView:
     session_id: str | None
     cache_tokens: Sequence[int]
     last_used: float
+    tenant: str | None = None  # whose cache it holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,7 @@ class Slot:
     cache_tokens: list[int] = field(default_factory=list)  # exactly what is in KV for this seq
     parked: Parked | None = None  # the cache's tail, out of KV while the slot is idle
     session_id: str | None = None
+    tenant: str | None = None  # whose request last ran here: its cache is that tenant's
     pool_id: int | None = None  # the pool whose cells this slot's sequence starts with
     shared_prefix: int = 0  # how many leading cells are that pool's
     last_used: float = 0.0
@@ -99,7 +101,12 @@ class Slot:
 
     def view(self) -> SlotView:
         return SlotView(
-            self.slot_id, self.state == "idle", self.session_id, self.cached, self.last_used
+            self.slot_id,
+            self.state == "idle",
+            self.session_id,
+            self.cached,
+            self.last_used,
+            self.tenant,
         )
 
     def snapshot(self) -> SlotSnapshot:
@@ -113,6 +120,7 @@ class Slot:
             state=self.state,
             task_id=task.task_id if task else None,
             session_id=self.session_id,
+            tenant=self.tenant,
             pool_id=self.pool_id,
             n_ctx=self.n_ctx,
             ctx_used=self.cache_len,
@@ -138,7 +146,8 @@ class SlotTable:
     ) -> None:
         self.slots = slots
         self.kv = kv
-        self.session_slot: dict[str, int] = {}
+        # Keyed by (tenant, session id): the same id under two tenants is two sessions.
+        self.session_slot: dict[tuple[str, str], int] = {}
         # Parking needs a spare sequence id (to save just a tail); None: never park.
         self.scratch = scratch
         self.park_budget = park_budget
@@ -209,23 +218,28 @@ class SlotTable:
     def snapshots(self) -> list[SlotSnapshot]:
         return [s.snapshot() for s in self.slots]
 
-    def bind(self, slot: Slot, session_id: str | None) -> None:
-        """Give ``slot`` to ``session_id``; the session it served before loses its affinity."""
-        if slot.session_id is not None and slot.session_id != session_id:
-            self.session_slot.pop(slot.session_id, None)
+    def bind(self, slot: Slot, tenant: str | None, session_id: str | None) -> None:
+        """Give ``slot`` to ``tenant``'s ``session_id``; the session it served before loses
+        its affinity."""
+        if slot.session_id is not None and (slot.tenant, slot.session_id) != (tenant, session_id):
+            self.session_slot.pop((slot.tenant or "", slot.session_id), None)
             slot.session_id = None
+        slot.tenant = tenant
         if session_id is not None:
-            self.session_slot[session_id] = slot.slot_id
+            self.session_slot[(tenant or "", session_id)] = slot.slot_id
             slot.session_id = session_id
 
-    def slot_of(self, session_id: str | None) -> int | None:
-        return self.session_slot.get(session_id) if session_id else None
+    def slot_of(self, tenant: str, session_id: str | None) -> int | None:
+        return self.session_slot.get((tenant, session_id)) if session_id else None
 
     def session_tokens(self, session_id: str) -> tuple[int, list[int]] | None:
-        """The slot and the tokens in KV of a known session (for pool snapshots)."""
-        slot_id = self.session_slot.get(session_id)
-        if slot_id is None:
+        """The slot and the tokens in KV of a known session (for pool snapshots, which the
+        admin asks for: any tenant's session; the most recently used if several tenants use
+        the same id)."""
+        holders = [s for s in self.slots if s.session_id == session_id]
+        if not holders:
             return None
+        slot_id = max(holders, key=lambda s: s.last_used).slot_id
         self.unpark(self.slots[slot_id])
         return slot_id, list(self.slots[slot_id].cache_tokens)
 
@@ -248,7 +262,7 @@ class SlotTable:
             raise PoolError(409, "slot_busy", f"slot {slot_id} is processing a request")
         n = slot.cache_len
         self.forget_kv(slot)
-        self.bind(slot, None)
+        self.bind(slot, None, None)
         return n
 
     def release(self, slot: Slot) -> None:

@@ -25,6 +25,7 @@ class SlotSnapshot:
     state: SlotState
     task_id: int | None
     session_id: str | None
+    tenant: str | None  # opaque: whose session (listings show others' without ids)
     pool_id: int | None
     n_ctx: int
     ctx_used: int

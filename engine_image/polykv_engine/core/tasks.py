@@ -92,6 +92,9 @@ class GenerateTask:
     stop: StopParams
     sink: EventSink
     session_id: str | None = None
+    # Opaque, from the auth middleware: sessions, prompt caches and automatic prefix sharing
+    # never cross tenants (the same session id under two tenants is two sessions).
+    tenant: str = ""
     id_slot: int = -1
     cache_prompt: bool = True
     n_keep: int = 0

@@ -3,9 +3,12 @@
 It reads the engine's published snapshot, keeps each pool's settle/drop state, answers
 ``/capacity``, and for an enforced policy decides whether a NEW session may attach:
 reject (429 + Retry-After), warn (admit + X-Sessions-Remaining), or queue (hold, bounded).
-A known session is a continuation and is never gated; ``"overcommit": true`` bypasses the
-gate and is logged. While the last admit is still settling the attach is held briefly, not
-refused: spawns slow down just enough, never fail for settling alone.
+A known session (of the same tenant) is a continuation and is never gated;
+``"overcommit": true`` and the router's re-homed marker bypass the gate, but only from the
+admin key or the router (``trusted_overrides``): from anyone else they are ignored, logged
+once and counted. While the last admit is still settling the attach is held briefly, not
+refused: spawns slow down just enough, never fail for settling alone. Held requests count
+against the engine's queue bound, as queued ones do.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import contextlib
 import logging
 import time
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from polykv_api.models import AdmissionReason, Capacity, Reason
 from polykv_engine.core.engine import Engine
@@ -105,6 +108,50 @@ class AdmissionGate:
         self._labels: dict[int, str] = {}  # pool id -> the label its series carry
         self._admitted_to: dict[int, int] = {}  # task id -> pool id, until the request ends
         self._updater: asyncio.Task[None] | None = None
+        self.held = 0  # requests this gate holds now (settling, or queued for capacity)
+        self.ignored_overrides = Counter(
+            "polykv_ignored_overrides",
+            "overcommit or x-polykv-rehomed from a key that may not set them (ignored)",
+            ["field"],
+            registry=registry,
+        )
+        self._ignored_logged: set[str] = set()
+
+    # ------------------------------------------------------------------ request checks
+
+    def trusted_overrides(
+        self, overcommit: bool, rehomed: bool, trusted: bool
+    ) -> tuple[bool, bool]:
+        """(overcommit, rehomed) as honoured: both only from the admin key or the router;
+        from anyone else they are dropped, logged the first time and counted."""
+        if trusted:
+            return overcommit, rehomed
+        for name, asked in (("overcommit", overcommit), ("x-polykv-rehomed", rehomed)):
+            if asked:
+                self.ignored_overrides.labels(name).inc()
+                if name not in self._ignored_logged:
+                    self._ignored_logged.add(name)
+                    log.warning(
+                        "%s ignored: only the admin key or the router may set it (logged "
+                        "once; polykv_ignored_overrides_total counts them)",
+                        name,
+                    )
+        return False, False
+
+    def queue_full(self) -> bool:
+        """The engine's queue bound, counting the requests held here as well as the ones
+        queued in the engine."""
+        return self.engine.snapshot.n_waiting + self.held >= self.engine.cfg.max_queue
+
+    def refuse_full_queue(self, task: GenerateTask) -> ApiError:
+        self.record_refusal(task, None)
+        limit = self.engine.cfg.max_queue
+        return ApiError(
+            503,
+            f"the engine queue is full (max_queue={limit}: requests queued or held for admission)",
+            headers={"Retry-After": "2"},
+            reason="queue_full",
+        )
 
     def state(self, pool_id: int) -> PoolAdmissionState:
         return self.states.setdefault(pool_id, PoolAdmissionState())
@@ -148,8 +195,13 @@ class AdmissionGate:
         return engine_view(snap, pool, self.pause_aware, self.ceiling_curve)
 
     def capacity(
-        self, pool: PoolSnapshot, expected_tokens: int | None, session_id: str | None
+        self,
+        pool: PoolSnapshot,
+        expected_tokens: int | None,
+        session_id: str | None,
+        tenant: str | None = None,
     ) -> Capacity:
+        """``tenant``: whose sessions count as known (None: any tenant's, for the admin)."""
         snap = self.engine.snapshot
         now = time.monotonic()
         st = self.state(pool.pool_id)
@@ -157,7 +209,10 @@ class AdmissionGate:
         if pool.admission is not None:
             st.update(pool.admission, view, now)
         self.memory.observe(view, now)
-        known = session_id is not None and any(s.session_id == session_id for s in snap.slots)
+        known = session_id is not None and any(
+            s.session_id == session_id and (tenant is None or s.tenant == tenant)
+            for s in snap.slots
+        )
         return capacity(pool.admission, st, view, now, expected_tokens, known, self.memory)
 
     def compaction_pressure(self, pool: PoolSnapshot | None) -> float:
@@ -181,8 +236,10 @@ class AdmissionGate:
             return {}  # unknown pools fail in the engine with 404; no policy, no gate
         policy = pool.admission
         snap = self.engine.snapshot
-        if task.session_id is not None and any(s.session_id == task.session_id for s in snap.slots):
-            return {}  # continuation: never gated
+        if task.session_id is not None and any(
+            s.session_id == task.session_id and s.tenant == task.tenant for s in snap.slots
+        ):
+            return {}  # continuation (of this tenant's session): never gated
         if rehomed:
             log.info("pool %s: re-homed session %s admitted ungated", pool.label, task.session_id)
             self.counters.rehomes.labels(pool.label).inc()
@@ -196,11 +253,9 @@ class AdmissionGate:
         enforced = policy.mode == "enforced"
         if enforced and cap.reason == REASON_SETTLING:
             # Slow the spawn just enough: wait for the settle, then decide.
-            self.counters.holds.labels(pool.label).inc()
-            cap = await self._wait(pool, (policy.settle_max_ms + 1000) / 1e3, settle_only=True)
+            cap = await self._hold(task, pool, (policy.settle_max_ms + 1000) / 1e3, True)
         if enforced and not cap.can_admit and policy.on_saturation == "queue":
-            self.counters.holds.labels(pool.label).inc()
-            cap = await self._wait(pool, policy.queue_max_ms / 1e3, settle_only=False)
+            cap = await self._hold(task, pool, policy.queue_max_ms / 1e3, False)
         headers: dict[str, str] = {}
         if enforced and not cap.can_admit:
             if policy.on_saturation == "warn":
@@ -268,6 +323,20 @@ class AdmissionGate:
         self.counters.admits.labels(pool.label).inc()
         self.state(pool.pool_id).record_admit(task.task_id, time.monotonic())
         self._admitted_to[task.task_id] = pool.pool_id
+
+    async def _hold(
+        self, task: GenerateTask, pool: PoolSnapshot, limit_s: float, settle_only: bool
+    ) -> Capacity:
+        """Hold the request (a place in the queue bound) until it may go, or refuse it
+        (503 queue_full) when the bound is already taken."""
+        if self.queue_full():
+            raise self.refuse_full_queue(task)
+        self.counters.holds.labels(pool.label).inc()
+        self.held += 1
+        try:
+            return await self._wait(pool, limit_s, settle_only)
+        finally:
+            self.held -= 1
 
     async def _wait(self, pool: PoolSnapshot, limit_s: float, settle_only: bool) -> Capacity:
         deadline = time.monotonic() + limit_s

@@ -32,6 +32,10 @@ class ServerSettings:
     port: int = 8080
     api_keys: tuple[str, ...] = ()
     admin_keys: tuple[str, ...] = ()
+    # (key, tenant id) for every inference key (http.tenants); a key missing here (tests
+    # building settings by hand) is the admin's, or the open engine's implicit tenant.
+    key_tenants: tuple[tuple[str, str], ...] = ()
+    router_keys: tuple[str, ...] = ()  # X-PolyKV-Router-Key values that mark the router
     metrics: bool = False
     model_alias: str | None = None
     tps_stream_interval_ms: int = 500

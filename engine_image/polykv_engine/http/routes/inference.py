@@ -41,6 +41,7 @@ from polykv_engine.core.tasks import (
     TokenEvent,
 )
 from polykv_engine.http.app_context import AppContext, ctx_of
+from polykv_engine.http.auth import identity_of
 from polykv_engine.http.errors import ApiError, parse
 from polykv_engine.http.mailbox import mailbox
 from polykv_engine.http.responses import Logprobs, ResponseBuilder
@@ -152,6 +153,7 @@ def _task_from(
         preserved_tokens=preserved,
         sink=sink,
         session_id=session,
+        tenant=identity_of(request).tenant,
         id_slot=req.id_slot,
         cache_prompt=req.cache_prompt,
         pool_ref=_pool_ref(req),
@@ -215,16 +217,13 @@ async def _run(
         )
     with ctx.owed():  # no await since the draining check: the drain sees this request
         assert ctx.gate is not None
-        if ctx.engine.snapshot.n_waiting >= ctx.engine.cfg.max_queue:
-            ctx.gate.record_refusal(task, None)
-            raise ApiError(
-                503,
-                f"the engine queue is full ({ctx.engine.cfg.max_queue} requests wait for a slot)",
-                headers={"Retry-After": "2"},
-                reason="queue_full",
-            )
+        if ctx.gate.queue_full():  # queued in the engine, or held by the gate
+            raise ctx.gate.refuse_full_queue(task)
         rehomed = request.headers.get(REHOMED_HEADER, "") in ("1", "true")
-        extra_headers = await ctx.gate.admit(task, req.overcommit, rehomed)
+        overcommit, rehomed = ctx.gate.trusted_overrides(
+            req.overcommit, rehomed, identity_of(request).trusted
+        )
+        extra_headers = await ctx.gate.admit(task, overcommit, rehomed)
         ctx.engine.submit(task)
         done = False
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -14,6 +15,7 @@ from polykv_engine import __version__
 from polykv_engine.core import pool_ops
 from polykv_engine.core.snapshot import EngineSnapshot
 from polykv_engine.http.app_context import AppContext, ctx_of
+from polykv_engine.http.auth import identity_of
 from polykv_engine.http.errors import ApiError
 from polykv_engine.http.metrics import PoolGauges
 from polykv_engine.ids import decimal
@@ -97,8 +99,11 @@ async def props(request: web.Request) -> web.Response:
 
 async def slots(request: web.Request) -> web.Response:
     """llama-server's /slots (the running or last request's figures and settings; no
-    prompt text), plus PolyKV's session, pool and tps fields."""
+    prompt text), plus PolyKV's session, pool and tps fields. A slot serving another tenant
+    shows its load (state, rate, context used) but no session id, settings (grammar, stop
+    strings) or prompt figures."""
     ctx = ctx_of(request)
+    who = identity_of(request)
     ctx.require_ready()
     snap = ctx.engine.snapshot
     if request.query.get("fail_on_no_slot") in ("1", "true") and all(
@@ -108,6 +113,7 @@ async def slots(request: web.Request) -> web.Response:
     out = []
     for s in snap.slots:
         task = s.task_id if s.task_id is not None else s.last_task_id
+        mine = who.sees(s.tenant)
         out.append(
             {
                 "id": s.slot_id,
@@ -115,10 +121,10 @@ async def slots(request: web.Request) -> web.Response:
                 "n_ctx": s.n_ctx,
                 "speculative": False,
                 "is_processing": s.processing,
-                "n_prompt_tokens": s.n_prompt,
-                "n_prompt_tokens_processed": s.n_prompt - s.n_cached,
-                "n_prompt_tokens_cache": s.n_cached,
-                "params": s.params,
+                "n_prompt_tokens": s.n_prompt if mine else 0,
+                "n_prompt_tokens_processed": s.n_prompt - s.n_cached if mine else 0,
+                "n_prompt_tokens_cache": s.n_cached if mine else 0,
+                "params": s.params if mine else {},
                 "next_token": [
                     {
                         "has_next_token": s.processing,
@@ -128,7 +134,7 @@ async def slots(request: web.Request) -> web.Response:
                     }
                 ],
                 "state": s.state,
-                "session_id": s.session_id,
+                "session_id": s.session_id if mine else None,
                 "pool_id": s.pool_id,
                 "tps_ewma": s.tps_ewma,
                 "warming": s.warming and s.processing,
@@ -165,10 +171,11 @@ async def models(request: web.Request) -> web.Response:
     )
 
 
-def tps_snapshot(snap: EngineSnapshot) -> TpsSnapshot:
+def tps_snapshot(snap: EngineSnapshot, sees: Callable[[str | None], bool]) -> TpsSnapshot:
+    """Every session's rate; ``sees``: whose session ids the caller may read."""
     sessions = [
         SessionTps(
-            session_id=s.session_id,
+            session_id=s.session_id if sees(s.tenant) else None,
             slot=s.slot_id,
             pool_id=s.pool_id,
             state=s.state,
@@ -197,8 +204,9 @@ async def polykv_tps(request: web.Request) -> web.StreamResponse:
     """One JSON snapshot, or an SSE stream when the client accepts text/event-stream."""
     ctx = ctx_of(request)
     ctx.require_ready()
+    sees = identity_of(request).sees
     if "text/event-stream" not in request.headers.get("Accept", ""):
-        return web.json_response(tps_snapshot(ctx.engine.snapshot).model_dump())
+        return web.json_response(tps_snapshot(ctx.engine.snapshot, sees).model_dump())
     interval_ms = ctx.settings.tps_stream_interval_ms
     raw = request.query.get("interval_ms")
     if raw is not None:
@@ -211,7 +219,7 @@ async def polykv_tps(request: web.Request) -> web.StreamResponse:
     )
     await resp.prepare(request)
     while not ctx.draining:
-        data = json.dumps(tps_snapshot(ctx.engine.snapshot).model_dump())
+        data = json.dumps(tps_snapshot(ctx.engine.snapshot, sees).model_dump())
         await resp.write(f"data: {data}\n\n".encode())
         await asyncio.sleep(interval_ms / 1e3)
     await resp.write_eof()
@@ -262,7 +270,13 @@ async def session(request: web.Request) -> web.Response:
     ctx.require_ready()
     sid = request.match_info["session"]
     snap = ctx.engine.snapshot
-    slot = next((s for s in snap.slots if s.session_id == sid), None)
+    who = identity_of(request)
+    # A tenant finds its own sessions; the admin and the router (which places every
+    # tenant's continuations) find any.
+    slot = next(
+        (s for s in snap.slots if s.session_id == sid and (who.trusted or who.sees(s.tenant))),
+        None,
+    )
     if slot is None:
         raise ApiError(
             404,

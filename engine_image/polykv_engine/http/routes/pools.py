@@ -30,7 +30,7 @@ from polykv_api.models import (
 from polykv_engine.core import pool_ops
 from polykv_engine.core.engine import Engine
 from polykv_engine.http.app_context import AppContext, ctx_of
-from polykv_engine.http.auth import require_admin
+from polykv_engine.http.auth import identity_of, require_admin
 from polykv_engine.http.errors import ApiError, parse
 from polykv_engine.ids import decimal
 from polykv_engine.pools.manager import PoolSpec
@@ -53,9 +53,10 @@ async def on_engine(ctx: AppContext, fn: Callable[[Engine], T]) -> T:
             raise _api_error(exc) from exc
 
 
-async def pool_listing(ctx: AppContext) -> PoolList:
-    """Every pool with its capacity, and the engine-wide autoscaling signals."""
-    listing = await on_engine(ctx, lambda e: pool_ops.listing(e, ctx.boot_id))
+async def pool_listing(ctx: AppContext, sees: pool_ops.Viewer | None = None) -> PoolList:
+    """Every pool with its capacity, and the engine-wide autoscaling signals; ``sees``:
+    other tenants' sessions without their ids."""
+    listing = await on_engine(ctx, lambda e: pool_ops.listing(e, ctx.boot_id, sees))
     _add_capacity(ctx, listing.pools)
     assert ctx.gate is not None
     pressure, active, refused, headroom = ctx.gate.autoscale()
@@ -66,10 +67,12 @@ async def pool_listing(ctx: AppContext) -> PoolList:
     return listing
 
 
-async def subtree(ctx: AppContext, ref: PoolRef) -> list[PoolStatus]:
+async def subtree(
+    ctx: AppContext, ref: PoolRef, sees: pool_ops.Viewer | None = None
+) -> list[PoolStatus]:
     """``ref``'s status first, then its descendants', each with its capacity: built for
     those pools alone, so the answer costs the same with 10 or 250 other pools."""
-    statuses = await on_engine(ctx, lambda e: pool_ops.subtree(e, ref))
+    statuses = await on_engine(ctx, lambda e: pool_ops.subtree(e, ref, sees))
     _add_capacity(ctx, statuses)
     return statuses
 
@@ -194,7 +197,7 @@ async def list_pools(request: web.Request) -> web.Response:
     If-None-Match gets 304 and no body while nothing in the listing changed (an idle
     operator then parses nothing, however many pools there are)."""
     ctx = ctx_of(request)
-    listing = await pool_listing(ctx)
+    listing = await pool_listing(ctx, identity_of(request).sees)
     body = listing.model_dump_json().encode()
     etag = xxhash.xxh3_64_hexdigest(body)
     headers = {"ETag": f'"{etag}"'}
@@ -207,7 +210,7 @@ async def list_pools(request: web.Request) -> web.Response:
 async def get_pool(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     ref = _ref(request)
-    pool, *descendants = await subtree(ctx, ref)
+    pool, *descendants = await subtree(ctx, ref, identity_of(request).sees)
     body = PoolDetail(**pool.model_dump(), descendants=descendants, boot_id=ctx.boot_id)
     return web.json_response(body.model_dump())
 
@@ -252,7 +255,8 @@ async def get_capacity(request: web.Request) -> web.Response:
             404, f"pool {ref!r} does not exist", "not_found_error", reason="pool_not_found"
         )
     assert ctx.gate is not None
-    cap = ctx.gate.capacity(pool, expected, session)
+    who = identity_of(request)
+    cap = ctx.gate.capacity(pool, expected, session, None if who.admin else who.tenant)
     body = CapacityReport(
         pool_id=pool.pool_id,
         policy=pool.admission,
