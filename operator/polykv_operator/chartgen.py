@@ -6,6 +6,8 @@
   ``engines``, ``pools`` and ``admissionPolicies`` are the CRDs' own spec schemas, closed too.
 - ``helm/polykv/docs/argocd-cm.yaml``: the Argo CD health checks (``files/argocd/health.lua``)
   as the ``resource.customizations.health.*`` keys of argocd-cm.
+- ``operator/deploy/rbac.yaml``: the operator's RBAC and admission policy for the plain
+  manifests, from the chart's rule files (the chart's cluster-wide rendering of them).
 
 tests/helm/test_chartgen.py fails when a committed file differs from what this writes.
 """
@@ -22,6 +24,7 @@ import yaml
 
 from . import crdgen
 from .api import ADMISSION, ENGINE, GROUP, POOL, Kind
+from .manifests import ROUTER_CLUSTER_ROLE
 
 Schema = dict[str, Any]
 
@@ -184,10 +187,13 @@ def values_schema() -> Schema:
     port = integer(1, 65535)
     peer = closed(
         {
-            "namespaceSelector": selector("namespaces of the peers ({}: every namespace)"),
-            "podSelector": selector("the peer pods"),
+            "namespaceSelector": {
+                **selector("namespaces of the peers; absent: the policy's own namespace"),
+                "minProperties": 1,
+            },
+            "podSelector": {**selector("the peer pods"), "minProperties": 1},
         },
-        ("namespaceSelector", "podSelector"),
+        ("podSelector",),
     )
     labels_only = closed(
         {"enabled": BOOL, "labels": string_map("labels for the Prometheus Operator")}
@@ -251,7 +257,7 @@ def values_schema() -> Schema:
             "serviceAccount": closed(
                 {"create": BOOL, "name": STR, "annotations": string_map("annotations")}
             ),
-            "rbac": closed({"create": BOOL}),
+            "rbac": closed({"create": BOOL, "admissionPolicy": BOOL}),
             "crds": closed({"upgrade": BOOL}),
             "cleanup": closed(
                 {"onUninstall": BOOL, "timeoutSeconds": integer(10, 3600)},
@@ -381,11 +387,115 @@ def peering_crds(source: Path = PEERING_SOURCE) -> dict[str, str]:
     }
 
 
+PLAIN_RBAC = Path(__file__).resolve().parents[1] / "deploy" / "rbac.yaml"
+PLAIN_NS, PLAIN_SA = "polykv-system", "polykv-operator"
+
+
+def _rules(chart: Path, name: str) -> list[Schema]:
+    rules: list[Schema] = yaml.safe_load((chart / "files" / name).read_text())
+    return rules
+
+
+def admission_policy(
+    chart: Path, name: str, namespace: str, account: str, router_role: str
+) -> list[Schema]:
+    """The ValidatingAdmissionPolicy and its binding, as templates/rbac.yaml renders them."""
+    rules = [
+        {
+            "apiGroups": [group],
+            "apiVersions": ["v1"],
+            "operations": ["CREATE", "UPDATE", "DELETE"],
+            "resources": resources,
+        }
+        for group, resources in (
+            ("", ["secrets", "services", "serviceaccounts", "pods", "pods/status"]),
+            ("apps", ["deployments"]),
+            ("rbac.authorization.k8s.io", ["rolebindings"]),
+        )
+    ]
+    user = f"system:serviceaccount:{namespace}:{account}"
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": f"{name}-writes"},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": rules},
+            "matchConditions": [
+                {"name": "the-operator", "expression": f"request.userInfo.username == '{user}'"}
+            ],
+            "variables": [{"name": "routerRole", "expression": f"'{router_role}'"}],
+            "validations": _rules(chart, "operator-admission.yaml"),
+        },
+    }
+    binding = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": f"{name}-writes"},
+        "spec": {"policyName": f"{name}-writes", "validationActions": ["Deny"]},
+    }
+    return [policy, binding]
+
+
+def plain_rbac(chart: Path = CHART) -> str:
+    """operator/deploy/rbac.yaml: the chart's RBAC for an operator serving every namespace,
+    from the same rule files (helm/polykv/files/*rules.yaml, operator-admission.yaml)."""
+    ns, sa = PLAIN_NS, PLAIN_SA
+    router = ROUTER_CLUSTER_ROLE  # the operator's default (POLYKV_OPERATOR_ROUTER_CLUSTER_ROLE)
+    rules = [
+        *_rules(chart, "operator-cluster-rules.yaml"),
+        *_rules(chart, "operator-all-namespaces-rules.yaml"),
+        *_rules(chart, "operator-rules.yaml"),
+    ]
+    crb = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": sa},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": sa},
+        "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}],
+    }
+    docs = [
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {
+                "name": ns,
+                "labels": {"pod-security.kubernetes.io/enforce": "restricted"},
+            },
+        },
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": ns}},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": sa},
+            "rules": rules,
+        },
+        crb,
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": router},
+            "rules": _rules(chart, "router-rules.yaml"),
+        },
+        *admission_policy(chart, sa, ns, sa, router),
+    ]
+    header = (
+        "# Generated by `python -m polykv_operator.chartgen` from the chart's rule files\n"
+        "# (helm/polykv/files/operator-*rules.yaml, router-rules.yaml, operator-admission.yaml):\n"
+        "# the PolyKV operator's least privilege when it serves every namespace, as the chart\n"
+        "# renders it without operator.watchNamespaces. The namespace comes first, so that\n"
+        "# `kubectl apply -f crds/ -f operator/deploy/rbac.yaml` creates it before the account.\n"
+        "# Why each rule is there: the comments in those files, and the chart README.\n"
+    )
+    return header + "---\n".join(yaml.safe_dump(d, sort_keys=False, width=100) for d in docs)
+
+
 def files(chart: Path = CHART) -> dict[Path, str]:
     out = {chart / "crds" / name: text for name, text in crdgen.files().items()}
     out.update({chart / "crds" / name: text for name, text in peering_crds().items()})
     out[chart / "values.schema.json"] = json.dumps(values_schema(), indent=2) + "\n"
     out[chart / "docs" / "argocd-cm.yaml"] = argocd_snippet(chart)
+    out[PLAIN_RBAC] = plain_rbac(chart)
     return out
 
 

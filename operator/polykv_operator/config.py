@@ -36,6 +36,8 @@ class Config:
     external_metrics_key: Path | None = None
     external_metrics_service: str = "polykv-system/polykv-operator-external-metrics"
     """namespace/name of the Service the APIService routes to (checked before serving)."""
+    router_cluster_role: str = "polykv-router"
+    """The ClusterRole each router's RoleBinding refers to (installed with the operator)."""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Config:
@@ -59,6 +61,8 @@ class Config:
             external_metrics_key=_path(e, "POLYKV_OPERATOR_EXTERNAL_METRICS_KEY"),
             external_metrics_service=e.get("POLYKV_OPERATOR_EXTERNAL_METRICS_SERVICE")
             or cls.external_metrics_service,
+            router_cluster_role=e.get("POLYKV_OPERATOR_ROUTER_CLUSTER_ROLE")
+            or cls.router_cluster_role,
         )
 
     def check(self) -> None:

@@ -249,6 +249,8 @@ class EngineState:
     # pod uid -> (pod-deletion-cost sent, the annotation the index showed then)
     costs_sent: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     settled: Settled | None = None  # the last round left nothing pending
+    # Why the engine's objects were not written: names other objects hold (engine_objects)
+    clash: str | None = None
     quiet_rounds: int = 0  # rounds skipped because nothing had changed
 
     def poke(self) -> None:
@@ -266,6 +268,7 @@ class EngineState:
             and not self.policy_errors
             and not self.deleting
             and self.statuses_key is not None
+            and self.clash is None
         )
 
     def forget_pool(self, uid: str) -> None:

@@ -1,6 +1,9 @@
 """A small async Kubernetes client for the writes kopf does not do for us (owned objects,
 pod readiness gates and deletion costs, deleting child pools and a disabled router, the
 status the engine loops write), on the credentials kopf logged in with.
+
+Owned objects are written only after `ownership` found them absent or ours: an object of
+the same name that the engine does not control is never patched or deleted.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ import base64
 import logging
 import ssl
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,7 @@ log = logging.getLogger("polykv.operator.kube")
 Obj = dict[str, Any]
 MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
 
 # Where each kind lives in the REST API (only the kinds the operator writes).
 PATHS = {
@@ -40,6 +45,26 @@ PATHS = {
 }
 OURS = "/apis/polykv.io/v1alpha1/namespaces/{ns}/{plural}"
 POOLS = OURS.replace("{plural}", "polykvpools")
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """What the API server holds under a name the operator wants: nothing, an object of
+    ours (its uid and resourceVersion), or somebody else's (`ours` False)."""
+
+    kind: str
+    name: str
+    exists: bool
+    uid: str | None = None  # set only when the object is ours
+    version: str | None = None
+
+    @property
+    def ours(self) -> bool:
+        return self.uid is not None
+
+    @property
+    def what(self) -> str:
+        return f"{self.kind} {self.name}"
 
 
 class KubeError(Exception):
@@ -61,7 +86,11 @@ class Kube:
         await self.http.aclose()
 
     async def _req(
-        self, method: str, path: str, body: Obj | None = None, ctype: str = "application/json"
+        self,
+        method: str,
+        path: str,
+        body: Obj | list[Obj] | None = None,
+        ctype: str = "application/json",
     ) -> httpx.Response:
         headers = {"Content-Type": ctype} if body is not None else {}
         resp = await self.http.request(method, path, json=body, headers=headers)
@@ -80,24 +109,58 @@ class Kube:
         out: Obj = resp.json()
         return out
 
-    async def apply(self, namespace: str, obj: Obj, strategic: bool = True) -> str:
-        """Create the object, or patch it to match when it exists. Returns what happened."""
-        base = PATHS[(obj["apiVersion"], obj["kind"])].format(ns=namespace)
-        name = obj["metadata"]["name"]
+    async def ownership(
+        self, namespace: str, api_version: str, kind: str, name: str, owner_uid: str
+    ) -> Ownership:
+        """Whether the object exists and whose it is, read without the `get` verb: a JSON
+        patch made only of `test` ops changes nothing, and the API server applies it only
+        when the object's first ownerReference is `owner_uid`'s controller reference
+        (objects the operator creates carry exactly that one). A failed test is a 422 and
+        returns nothing of the object, so a foreign Secret is never read."""
+        path = f"{PATHS[(api_version, kind)].format(ns=namespace)}/{name}"
+        tests: list[Obj] = [
+            {"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": owner_uid},
+            {"op": "test", "path": "/metadata/ownerReferences/0/controller", "value": True},
+        ]
         try:
+            resp = await self._req("PATCH", path, tests, JSON_PATCH)
+        except KubeError as exc:
+            if exc.status == 404:
+                return Ownership(kind, name, exists=False)
+            if exc.status == 422:
+                return Ownership(kind, name, exists=True)
+            raise
+        meta = resp.json()["metadata"]
+        return Ownership(kind, name, True, str(meta["uid"]), str(meta["resourceVersion"]))
+
+    async def apply_owned(self, namespace: str, obj: Obj, seen: Ownership) -> str:
+        """Creates the object (`seen` says it is absent) or patches the one `seen` found ours,
+        at the resourceVersion it was found at: a 409 (it changed, or appeared, meanwhile)
+        raises, and the caller looks again. Returns what happened."""
+        base = PATHS[(obj["apiVersion"], obj["kind"])].format(ns=namespace)
+        if not seen.exists:
             await self._req("POST", base, obj)
             return "created"
-        except KubeError as exc:
-            if exc.status != 409:
-                raise
-        await self._req("PATCH", f"{base}/{name}", obj, STRATEGIC if strategic else MERGE)
+        if not seen.ours:
+            raise ValueError(f"{seen.what} is not ours to patch")
+        pinned = {**obj, "metadata": {**obj["metadata"], "resourceVersion": seen.version}}
+        # Secrets are merge-patched (no strategic keys to merge in them), the rest strategic.
+        ctype = MERGE if obj["kind"] == "Secret" else STRATEGIC
+        await self._req("PATCH", f"{base}/{seen.name}", pinned, ctype)
         return "patched"
 
-    async def delete(self, namespace: str, api_version: str, kind: str, name: str) -> bool:
-        """Deletes an object the operator owns; False when it was not there."""
-        path = f"{PATHS[(api_version, kind)].format(ns=namespace)}/{name}"
+    async def delete_owned(self, namespace: str, api_version: str, seen: Ownership) -> bool:
+        """Deletes the object `seen` found ours, on the condition that it is still that
+        object (uid and resourceVersion preconditions). False when it is gone already."""
+        if not seen.ours:
+            raise ValueError(f"{seen.what} is not ours to delete")
+        path = f"{PATHS[(api_version, seen.kind)].format(ns=namespace)}/{seen.name}"
+        body = {
+            "propagationPolicy": "Background",
+            "preconditions": {"uid": seen.uid, "resourceVersion": seen.version},
+        }
         try:
-            await self._req("DELETE", path, {"propagationPolicy": "Background"})
+            await self._req("DELETE", path, body)
         except KubeError as exc:
             if exc.status != 404:
                 raise

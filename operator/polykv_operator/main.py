@@ -47,6 +47,7 @@ from .api import (
 from .autoscale.aggregate import Signal, engine_signal
 from .autoscale.metrics_api import ExternalSettings, Servers
 from .config import Config
+from .engine_objects import apply_objects
 from .engine_round import (
     ClusterView,
     CostWriter,
@@ -69,6 +70,7 @@ log = logging.getLogger("polykv.operator")
 
 CONFIG = Config.from_env()
 FLEET = Fleet()
+CLASH_RETRY_S = 15  # a name held by a foreign object: looked at again this often
 
 
 class Clients:
@@ -341,33 +343,40 @@ async def apply_engine(
     body: kopf.Body, name: str, namespace: str, uid: str, spec: kopf.Spec, logger: Any, **_: Any
 ) -> None:
     """Secret (admin key), Deployment and Service, owned by the engine; with
-    spec.router.enabled, the router's objects too (removed again when it is turned off)."""
+    spec.router.enabled, the router's objects too (removed again when it is turned off).
+    A name some other object holds stalls the engine and writes nothing (engine_objects)."""
     try:
         parsed = PolyKVEngineSpec.model_validate(dict(spec))
     except ValueError as exc:
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
     state = _engine_state(namespace, name, uid)
     assert state.admin_key is not None
+
+    def key(purpose: str) -> str:
+        return manifests.derived_key(CONFIG.master_key, purpose, namespace, name, uid)
+
+    # Without apiKeySecretRef the engine still needs a key: the operator's own, derived.
+    generated = [] if parsed.api_key_secret_ref else [manifests.api_key_secret(name, key("api"))]
     own = [
-        manifests.admin_secret(name, state.admin_key),
+        manifests.admin_secret(name, state.admin_key, key("router")),
+        *generated,
         manifests.deployment(name, parsed),
         manifests.service(name, parsed),
     ]
     routed = parsed.router is not None and parsed.router.enabled
-    objs = own + (manifests.router_objects(name, namespace, parsed) if routed else [])
-    kopf.adopt(objs, owner=body)
-    kube = CLIENTS.kube_client()
-    for i, obj in enumerate(objs):
-        # Secrets are merge-patched: the operator may not read them, only write them.
-        what = await kube.apply(namespace, obj, strategic=obj["kind"] != "Secret")
-        logger.info(f"{obj['kind']} {obj['metadata']['name']} {what}")
-        if i < len(own):  # the engine's own objects have crash points; a router's do not
-            crash_point(f"{obj['kind'].lower()}-applied")
-    if not routed:
-        for api_version, kind in manifests.ROUTER_KINDS:
-            router = manifests.router_name(name)
-            if await kube.delete(namespace, api_version, kind, router):
-                logger.info(f"{kind} {router} deleted (spec.router is off)")
+    router = (
+        manifests.router_objects(name, namespace, parsed, CONFIG.router_cluster_role)
+        if routed
+        else None
+    )
+    kopf.adopt(own + (router or []), owner=body)
+    clash = await apply_objects(CLIENTS.kube_client(), namespace, name, uid, own, router)
+    if state.clash != (clash.message if clash else None):
+        state.clash = clash.message if clash else None
+        state.poke()  # the engine's status says Stalled (or no longer) at once
+    if clash is not None:
+        logger.warning(clash.message)
+        raise kopf.TemporaryError(clash.message, delay=CLASH_RETRY_S)
 
 
 @kopf.on.delete(GROUP, VERSION, ENGINE.plural, optional=True)

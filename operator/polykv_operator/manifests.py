@@ -4,9 +4,9 @@ The handler adds ownerReferences (kopf.adopt) and creates or patches them. The p
 under the restricted Pod Security profile: non-root, no privilege escalation, no
 capabilities, read-only root filesystem, RuntimeDefault seccomp.
 
-With ``spec.router.enabled`` an engine also owns a polykv-router: its ServiceAccount, a Role
-that may only list and watch the namespace's pods, the RoleBinding, a Deployment and a
-Service. The router's flags and environment are its command-line contract
+With ``spec.router.enabled`` an engine also owns a polykv-router: its ServiceAccount, a
+RoleBinding of the shared router ClusterRole (list and watch pods) in its namespace, a
+Deployment and a Service. The router's flags and environment are its command-line contract
 (``polykv_router.config``); a test parses what these builders write with it.
 """
 
@@ -23,6 +23,9 @@ from .names import CONTAINER, ENGINE_LABEL, GATE, ROUTER_CONTAINER, ROUTER_LABEL
 ADMIN_KEY_ENV = "POLYKV_ADMIN_KEY"
 API_KEY_ENV = "LLAMA_API_KEY"  # the engine reads both keys from its environment
 ADMIN_SECRET_KEY = "admin-key"
+ROUTER_KEY_ENV = "POLYKV_ROUTER_KEY"  # engine and router both read it (their own flags)
+ROUTER_SECRET_KEY = "router-key"
+API_SECRET_KEY = "api-key"
 RUN_AS = 65532  # the conventional "nonroot" uid
 # The router's environment (polykv_router.config reads these names).
 ROUTER_API_KEY_ENV = "POLYKV_ROUTER_ENGINE_API_KEY"
@@ -58,6 +61,10 @@ def admin_secret_name(engine: str) -> str:
     return f"{engine}-polykv-admin"
 
 
+def api_key_secret_name(engine: str) -> str:
+    return f"{engine}-polykv-api-key"
+
+
 def admin_key(master: str, namespace: str, engine: str, uid: str) -> str:
     """The engine's admin key, derived rather than stored: the operator can recompute it
     after a restart without reading Secrets (its RBAC may only create and patch them)."""
@@ -65,13 +72,35 @@ def admin_key(master: str, namespace: str, engine: str, uid: str) -> str:
     return hmac.new(master.encode(), msg, hashlib.sha256).hexdigest()
 
 
-def admin_secret(engine: str, key: str) -> Obj:
+def derived_key(master: str, purpose: str, namespace: str, engine: str, uid: str) -> str:
+    """Another key of the engine's, derived like the admin key but for `purpose` ("api":
+    the generated inference key, "router": the router's identity): none equals another."""
+    msg = f"{purpose}:{namespace}/{engine}/{uid}".encode()
+    return hmac.new(master.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def admin_secret(engine: str, key: str, router_key: str) -> Obj:
+    """The admin key, and the router key that the engine and its router share (the engine
+    honours a router's re-homed marker and overcommit only from it)."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": {"name": admin_secret_name(engine), "labels": labels(engine)},
         "type": "Opaque",
-        "stringData": {ADMIN_SECRET_KEY: key},
+        "stringData": {ADMIN_SECRET_KEY: key, ROUTER_SECRET_KEY: router_key},
+    }
+
+
+def api_key_secret(engine: str, key: str) -> Obj:
+    """The inference key the operator generates when the spec names none
+    (``apiKeySecretRef``): an engine never serves without one. Agents are given this
+    Secret (its name is fixed: ``<engine>-polykv-api-key``), never the admin one."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": api_key_secret_name(engine), "labels": labels(engine)},
+        "type": "Opaque",
+        "stringData": {API_SECRET_KEY: key},
     }
 
 
@@ -112,11 +141,16 @@ def _model_volume(spec: PolyKVEngineSpec) -> tuple[Obj, Obj]:
     return volume, {"name": "model", "mountPath": mount, "readOnly": True}
 
 
-def _api_key_env(spec: PolyKVEngineSpec, var: str) -> list[Obj]:
+def _api_key_env(engine: str, spec: PolyKVEngineSpec, var: str) -> list[Obj]:
+    """The inference key: the spec's Secret, else the one the operator generates."""
     ref = spec.api_key_secret_ref
-    if ref is None:
-        return []
-    return [{"name": var, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+    name, key = (ref.name, ref.key) if ref else (api_key_secret_name(engine), API_SECRET_KEY)
+    return [{"name": var, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}]
+
+
+def _router_key_env(engine: str) -> Obj:
+    ref = {"name": admin_secret_name(engine), "key": ROUTER_SECRET_KEY}
+    return {"name": ROUTER_KEY_ENV, "valueFrom": {"secretKeyRef": ref}}
 
 
 def _pod_security() -> Obj:
@@ -138,7 +172,8 @@ def deployment(name: str, spec: PolyKVEngineSpec) -> Obj:
                 "secretKeyRef": {"name": admin_secret_name(name), "key": ADMIN_SECRET_KEY}
             },
         },
-        *_api_key_env(spec, API_KEY_ENV),
+        *_api_key_env(name, spec, API_KEY_ENV),
+        _router_key_env(name),
     ]
     probe = {"httpGet": {"path": "/health", "port": "http"}}
     container: Obj = {
@@ -242,24 +277,28 @@ def router_service_account(engine: str) -> Obj:
     }
 
 
-def router_role(engine: str) -> Obj:
-    """All the router may do: see the pods of its namespace (their address, readiness and
-    deletion); it writes nothing and reads no Secret."""
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": {"name": router_name(engine), "labels": router_labels(engine)},
-        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}],
-    }
+ROUTER_CLUSTER_ROLE = "polykv-router"
+"""The ClusterRole the chart (and deploy/rbac.yaml) installs for every router: list and
+watch pods. The operator binds it per router and never writes a Role: it needs no verb on
+roles, and a RoleBinding to a role whose rules it holds itself needs no `bind`."""
 
 
-def router_role_binding(engine: str, namespace: str) -> Obj:
+def router_role_binding(
+    engine: str, namespace: str, cluster_role: str = ROUTER_CLUSTER_ROLE
+) -> Obj:
+    """All the router may do: see the pods of its own namespace (their address, readiness
+    and deletion), through the shared ClusterRole bound in this namespace only; it writes
+    nothing and reads no Secret."""
     name = router_name(engine)
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
         "metadata": {"name": name, "labels": router_labels(engine)},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": cluster_role,
+        },
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
     }
 
@@ -297,14 +336,14 @@ def router_deployment(engine: str, spec: PolyKVEngineSpec) -> Obj:
     router = spec.router or RouterSpec()
     name = router_name(engine)
     # The router's own reads (capacity, boot id, where a session is) are read-only routes:
-    # they need the API key when the engine has one, and no key otherwise. The router never
-    # holds the admin key. Clients' requests carry their own key through the router.
-    key = _api_key_env(spec, ROUTER_API_KEY_ENV)
+    # they need the API key. The router never holds the admin key; its router key only
+    # marks what it forwards as the router's. Clients' requests carry their own key.
     env: list[Obj] = [
         # Stated although it is the default: a runtime that rewrites mount paths (the local
         # process node) finds the directory through it.
         {"name": ROUTER_SA_DIR_ENV, "value": SA_DIR},
-        *key,
+        *_api_key_env(engine, spec, ROUTER_API_KEY_ENV),
+        _router_key_env(engine),
     ]
     container: Obj = {
         "name": ROUTER_CONTAINER,
@@ -365,12 +404,13 @@ def router_service(engine: str, spec: PolyKVEngineSpec) -> Obj:
     }
 
 
-def router_objects(engine: str, namespace: str, spec: PolyKVEngineSpec) -> list[Obj]:
+def router_objects(
+    engine: str, namespace: str, spec: PolyKVEngineSpec, cluster_role: str = ROUTER_CLUSTER_ROLE
+) -> list[Obj]:
     """Everything a router needs, in the order to create it (the account before its pods)."""
     return [
         router_service_account(engine),
-        router_role(engine),
-        router_role_binding(engine, namespace),
+        router_role_binding(engine, namespace, cluster_role),
         router_deployment(engine, spec),
         router_service(engine, spec),
     ]
@@ -380,7 +420,6 @@ ROUTER_KINDS = (
     ("apps/v1", "Deployment"),
     ("v1", "Service"),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"),
-    ("rbac.authorization.k8s.io/v1", "Role"),
     ("v1", "ServiceAccount"),
 )
 """What router_objects makes, in the order to delete it (the pods before their account)."""

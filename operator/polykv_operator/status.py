@@ -30,6 +30,7 @@ from .fleet import EngineState, Observation, Render, RenderFailure
 from .policies import PolicyNode, Selection, engine_policy, same_policy
 from .tree import PoolNode, Problem, check, path_of
 
+NAME_CLASH = "NameClash"  # an object the engine would own is held by somebody else
 STUCK_WAITING = (
     "CrashLoopBackOff",
     "RunContainerError",
@@ -317,7 +318,9 @@ def engine_status(
         if isinstance(r, Render) and serving and all(o.pool(node.name) for o in serving):
             on_all += 1
     stuck = [p for p in pods if p.waiting_reason in STUCK_WAITING]
-    if stuck:
+    if state.clash is not None:
+        verdict = Verdict.stalled(NAME_CLASH, state.clash)
+    elif stuck:
         p = stuck[0]
         verdict = Verdict.stalled(
             p.waiting_reason or "PodFailing",

@@ -78,22 +78,142 @@ def test_generated_files_match_their_sources() -> None:
         assert (CHART / "crds" / name).read_text() == (ROOT / "crds" / name).read_text() == text
 
 
-def test_rbac_rules_are_the_plain_manifests_rules() -> None:
-    chart_rules = yaml.safe_load((CHART / "files" / "operator-rules.yaml").read_text())
-    docs = list(yaml.safe_load_all((ROOT / "operator" / "deploy" / "rbac.yaml").read_text()))
-    role = next(d for d in docs if d and d["kind"] == "ClusterRole")
-    assert chart_rules == role["rules"]
-    verbs = {v for rule in chart_rules for v in rule["verbs"]}
-    assert not verbs & {"*", "escalate", "bind", "impersonate", "get"}
-    resources = {x for rule in chart_rules for x in rule["resources"]}
-    assert not resources & {"*", "pods/exec"}
+# The operator's whole RBAC, one (apiGroup, resource, verb) a line. A new permission fails
+# here until it is added on purpose. Nothing reads a Secret (no get/list/watch on them),
+# creates a Role, execs, escalates, binds or impersonates.
+NAMESPACED_ALLOWED = {
+    *(("polykv.io", r, v) for r in ("polykvengines", "polykvpools", "admissionpolicies")
+      for v in ("list", "watch", "patch")),
+    ("polykv.io", "polykvpools", "delete"),
+    *(("polykv.io", f"{r}/status", "patch")
+      for r in ("polykvengines", "polykvpools", "admissionpolicies")),
+    ("polykv.io", "polykvpools/finalizers", "update"),
+    *(("apps", "deployments", v) for v in ("create", "patch", "delete")),
+    *(("", r, v) for r in ("services", "serviceaccounts") for v in ("create", "patch", "delete")),
+    *(("rbac.authorization.k8s.io", "rolebindings", v) for v in ("create", "patch", "delete")),
+    ("", "secrets", "create"),
+    ("", "secrets", "patch"),
+    *(("", "pods", v) for v in ("list", "watch", "patch")),
+    ("", "pods/status", "patch"),
+    *(("kopf.dev", "kopfpeerings", v) for v in ("list", "watch", "patch")),
+    ("", "events", "create"),
+    ("events.k8s.io", "events", "create"),
+}  # fmt: skip
+CLUSTER_ALLOWED = {
+    ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+}
+ALL_NAMESPACES_ALLOWED = {
+    ("", "namespaces", "list"),
+    ("", "namespaces", "watch"),
+    *(("kopf.dev", "clusterkopfpeerings", v) for v in ("list", "watch", "patch")),
+}
+ROUTER_ALLOWED = {("", "pods", "list"), ("", "pods", "watch")}
+OPERATOR = "rel-polykv-operator"
+
+
+def flat(rules: list[Obj]) -> set[tuple[str, str, str]]:
+    """Every (group, resource, verb) a rule list grants; a resourceNames rule would be
+    narrower than it looks here, and none is used."""
+    assert all("resourceNames" not in r and "nonResourceURLs" not in r for r in rules)
+    return {
+        (g, res, v)
+        for r in rules
+        for g in r["apiGroups"]
+        for res in r["resources"]
+        for v in r["verbs"]
+    }
+
+
+def test_every_operator_permission_is_on_the_allowlist(tmp_path: Path) -> None:
+    docs = render(tmp_path)
+    roles = named(docs, "ClusterRole")
+    everything = CLUSTER_ALLOWED | ALL_NAMESPACES_ALLOWED | NAMESPACED_ALLOWED
+    assert flat(roles["rel-polykv-operator"]["rules"]) == everything
+    assert flat(roles["rel-polykv-operator-router"]["rules"]) == ROUTER_ALLOWED
+    # Serving every namespace: one ClusterRole, no Role of the operator's.
+    assert "rel-polykv-operator" not in named(docs, "Role")
+    # The plain manifests are the same rules (generated from the chart's files).
+    plain = [
+        d for d in yaml.safe_load_all((ROOT / "operator" / "deploy" / "rbac.yaml").read_text())
+    ]
+    plain_roles = named([d for d in plain if d], "ClusterRole")
+    assert flat(plain_roles["polykv-operator"]["rules"]) == everything
+    assert flat(plain_roles["polykv-router"]["rules"]) == ROUTER_ALLOWED
+    # The operator is told the router role's name.
+    (dep,) = named(docs, "Deployment").values()
+    env = {
+        e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["POLYKV_OPERATOR_ROUTER_CLUSTER_ROLE"] == "rel-polykv-operator-router"
+
+
+def test_watched_namespaces_get_roles_and_the_cluster_role_keeps_only_crd_reads(
+    tmp_path: Path,
+) -> None:
+    docs = render(tmp_path, {"operator": {"watchNamespaces": ["a", "b"]}})
+    roles = named(docs, "ClusterRole")
+    assert flat(roles["rel-polykv-operator"]["rules"]) == CLUSTER_ALLOWED
+    ns_roles = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == OPERATOR]
+    assert sorted(r["metadata"]["namespace"] for r in ns_roles) == ["a", "b"]
+    for role in ns_roles:
+        assert flat(role["rules"]) == NAMESPACED_ALLOWED
+    bindings = [
+        d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": OPERATOR
+        }
+    ]  # fmt: skip
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["a", "b"]
+    for b in bindings:
+        assert b["subjects"] == [
+            {"kind": "ServiceAccount", "name": "rel-polykv-operator", "namespace": "polykv-system"}
+        ]
+
+
+def test_the_admission_policy_is_bound_to_the_operators_account_only(tmp_path: Path) -> None:
+    docs = render(tmp_path)
+    (policy,) = named(docs, "ValidatingAdmissionPolicy").values()
+    (binding,) = named(docs, "ValidatingAdmissionPolicyBinding").values()
+    assert binding["spec"] == {
+        "policyName": policy["metadata"]["name"],
+        "validationActions": ["Deny"],
+    }
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    assert spec["matchConditions"] == [
+        {
+            "name": "the-operator",
+            "expression": "request.userInfo.username == "
+            "'system:serviceaccount:polykv-system:rel-polykv-operator'",
+        }
+    ]
+    assert spec["variables"] == [
+        {"name": "routerRole", "expression": "'rel-polykv-operator-router'"}
+    ]
+    matched = {
+        (g, r) for rule in spec["matchConstraints"]["resourceRules"]
+        for g in rule["apiGroups"] for r in rule["resources"]
+    }  # fmt: skip
+    # Every kind the operator may write but its own CRs and Events goes through the policy.
+    writes = {(g, r) for g, r, v in NAMESPACED_ALLOWED if v in ("create", "patch", "delete")}
+    assert writes - matched == {
+        ("polykv.io", "polykvengines"), ("polykv.io", "polykvpools"),
+        ("polykv.io", "admissionpolicies"), ("polykv.io", "polykvengines/status"),
+        ("polykv.io", "polykvpools/status"), ("polykv.io", "admissionpolicies/status"),
+        ("kopf.dev", "kopfpeerings"), ("", "events"), ("events.k8s.io", "events"),
+    }  # fmt: skip
+    plain = [
+        d for d in yaml.safe_load_all((ROOT / "operator" / "deploy" / "rbac.yaml").read_text())
+    ]
+    (plain_policy,) = named([d for d in plain if d], "ValidatingAdmissionPolicy").values()
+    assert plain_policy["spec"]["validations"] == spec["validations"]
+    off = render(tmp_path, {"rbac": {"create": True, "admissionPolicy": False}})
+    assert "ValidatingAdmissionPolicy" not in kinds(off)
 
 
 def test_default_install(tmp_path: Path) -> None:
     docs = render(tmp_path)
-    assert {"Deployment", "ServiceAccount", "ClusterRole", "Secret", "NetworkPolicy"} <= set(
-        kinds(docs)
-    )
+    assert {"Deployment", "ServiceAccount", "ClusterRole", "NetworkPolicy"} <= set(kinds(docs))
     # No Prometheus Operator in the cluster: no ServiceMonitor, no PrometheusRule.
     assert "ServiceMonitor" not in kinds(docs) and "PrometheusRule" not in kinds(docs)
     (dep,) = named(docs, "Deployment").values()
@@ -106,16 +226,42 @@ def test_default_install(tmp_path: Path) -> None:
     assert "--peering=polykv" in c["args"]
     assert {"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c["env"]
     assert set(named(docs, "ClusterKopfPeering")) == {"polykv"}
-    secret = named(docs, "Secret")["rel-polykv-master-key"]
-    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    assert len(secret["data"]["master-key"]) > 40
+    # The master key is never rendered (helm template and Argo CD would write a new one at
+    # every sync): a hook job creates it once and leaves it alone after.
+    assert "Secret" not in kinds(docs)
+    job = named(docs, "Job")["rel-polykv-master-key-job"]
+    ann = job["metadata"]["annotations"]
+    assert ann["helm.sh/hook"] == "pre-install,pre-upgrade"
+    assert ann["argocd.argoproj.io/hook"] == "PreSync"
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"][3:] == [
+        "master-key",
+        "--namespace=polykv-system",
+        "--secret=rel-polykv-master-key",
+        "--key=master-key",
+    ]
+    (role,) = (
+        r for r in docs if r["kind"] == "Role" and r["metadata"]["name"] == job["metadata"]["name"]
+    )
+    assert role["rules"][0] == {
+        "apiGroups": [""],
+        "resources": ["secrets"],
+        "resourceNames": ["rel-polykv-master-key"],
+        "verbs": ["get"],
+    }
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POLYKV_OPERATOR_MASTER_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "rel-polykv-master-key",
+        "key": "master-key",
+    }
+    # Two renders are the same: nothing random in the chart's output.
+    assert render(tmp_path) == docs
 
 
 def test_every_pod_meets_the_restricted_profile(tmp_path: Path) -> None:
     docs = render(tmp_path, EXAMPLE_VALUES)
     pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "Job")]
     pods += [d["spec"] for d in docs if d["kind"] == "Pod"]
-    assert len(pods) == 4  # operator, CRD upgrade job, cleanup job, helm test
+    assert len(pods) == 5  # operator, CRD upgrade, cleanup and master key jobs, helm test
     for pod in pods:
         sc = pod["securityContext"]
         assert sc["runAsNonRoot"] is True and sc["runAsUser"] != 0
@@ -186,6 +332,51 @@ def test_router_image_and_its_network_policy(tmp_path: Path) -> None:
     assert out.returncode != 0 and "at '/image/router/repository'" in out.stderr, out.stderr
 
 
+def test_network_policies_admit_by_namespace_and_label_in_every_served_namespace(
+    tmp_path: Path,
+) -> None:
+    docs = render(tmp_path, {"operator": {"watchNamespaces": ["a", "b"]}})
+    policies = {
+        (d["metadata"]["namespace"], d["metadata"]["name"]): d["spec"]
+        for d in docs
+        if d["kind"] == "NetworkPolicy"
+    }
+    for ns in ("polykv-system", "a", "b"):  # every namespace the operator serves
+        engines = policies[(ns, "rel-polykv-engines")]
+        routers = policies[(ns, "rel-polykv-routers")]
+        # Engines reach DNS and nothing else.
+        assert engines["egress"] == [
+            {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+        ]
+        peers = [p for spec in (engines, routers) for rule in spec["ingress"] for p in rule["from"]]
+        for peer in peers:
+            # A pod label alone never admits: a namespace is always named (or implied: a
+            # peer without namespaceSelector is the policy's own namespace).
+            assert peer.get("podSelector"), peer
+            assert "namespaceSelector" not in peer or peer["namespaceSelector"], peer
+        agents = engines["ingress"][0]["from"][0]
+        assert agents == {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+            "podSelector": {"matchLabels": {"polykv.io/agent": "true"}},
+        }
+        scrapers = engines["ingress"][0]["from"][-1]
+        assert scrapers["namespaceSelector"] == {
+            "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}
+        }
+    # An empty selector (every namespace, or every pod) is refused. Helm merges a user's
+    # map into the default one, so emptying a selector means nulling its matchLabels.
+    for peer in ("agents", "scrapers"):
+        for selector in ("namespaceSelector", "podSelector"):
+            if peer == "agents" and selector == "namespaceSelector":
+                continue  # no default to empty: the engine's own namespace
+            emptied = {"networkPolicy": {peer: {selector: {"matchLabels": None}}}}
+            (tmp_path / "open.yaml").write_text(yaml.safe_dump(emptied))
+            out = helm(
+                "template", "rel", str(CHART), "-f", str(tmp_path / "open.yaml"), check=False
+            )
+            assert out.returncode != 0 and "minProperties" in out.stderr, (peer, selector)
+
+
 def test_monitoring_objects_when_their_crds_exist(tmp_path: Path) -> None:
     docs = render(
         tmp_path,
@@ -243,7 +434,7 @@ def test_existing_secret_and_namespaced_operator(tmp_path: Path) -> None:
         "operator": {"watchNamespaces": ["a", "b"]},
     }
     docs = render(tmp_path, values)
-    assert "Secret" not in kinds(docs)
+    assert "Secret" not in kinds(docs) and "rel-polykv-master-key-job" not in named(docs, "Job")
     (dep,) = named(docs, "Deployment").values()
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e for e in c["env"]}
@@ -260,7 +451,7 @@ def test_existing_secret_and_namespaced_operator(tmp_path: Path) -> None:
 def test_hooks_can_be_turned_off(tmp_path: Path, flag: str) -> None:
     jobs = named(render(tmp_path, None, "--set", flag), "Job")
     gone = "rel-polykv-hooks-cleanup" if flag.startswith("cleanup") else "rel-polykv-hooks-crds"
-    assert gone not in jobs and len(jobs) == 1
+    assert gone not in jobs and len(jobs) == 2  # the other one, and the master key job
 
 
 # ------------------------------------------------------------------------- autoscaling
@@ -401,8 +592,11 @@ def test_the_external_metrics_provider_objects(tmp_path: Path) -> None:
         for d in docs
         if d["kind"] == "ClusterRole" and "external-metrics" in d["metadata"]["name"]
     )
-    (binding,) = named(docs, "RoleBinding").values()
-    assert binding["metadata"]["namespace"] == "kube-system"
+    (binding,) = (
+        d
+        for d in docs
+        if d["kind"] == "RoleBinding" and d["metadata"]["namespace"] == "kube-system"
+    )
     assert binding["roleRef"]["name"] == "extension-apiserver-authentication-reader"
     ingress = named(docs, "NetworkPolicy")["rel-polykv-operator"]["spec"]["ingress"]
     assert {"port": 6443, "protocol": "TCP"} in [p for rule in ingress for p in rule["ports"]]

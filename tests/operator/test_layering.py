@@ -33,7 +33,16 @@ LAYERS: dict[str, int] = {
         1,
     ),
     **dict.fromkeys(
-        ("config", "faults", "metrics", "engine_client", "kube", "engine_round", "pool_release"),
+        (
+            "config",
+            "faults",
+            "metrics",
+            "engine_client",
+            "kube",
+            "engine_objects",
+            "engine_round",
+            "pool_release",
+        ),
         2,
     ),
     **dict.fromkeys(("autoscale.tls", "autoscale.metrics_api"), 2),

@@ -91,8 +91,26 @@ def test_service_and_secret() -> None:
     svc = manifests.service("e", engine_spec(port=9000))
     assert svc["spec"]["selector"] == {"polykv.io/engine": "e"}
     assert svc["spec"]["ports"][0]["port"] == 9000
-    sec = manifests.admin_secret("e", "k")
-    assert sec["stringData"] == {"admin-key": "k"} and sec["metadata"]["name"] == "e-polykv-admin"
+    sec = manifests.admin_secret("e", "k", "r")
+    assert sec["stringData"] == {"admin-key": "k", "router-key": "r"}
+    assert sec["metadata"]["name"] == "e-polykv-admin" and sec["type"] == "Opaque"
+    gen = manifests.api_key_secret("e", "a")
+    assert gen["stringData"] == {"api-key": "a"} and gen["metadata"]["name"] == "e-polykv-api-key"
+
+
+def test_an_engine_without_api_key_ref_gets_the_generated_key_and_the_router_key() -> None:
+    c = manifests.deployment("e", engine_spec())["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]}
+    assert env == {
+        "POLYKV_ADMIN_KEY": {"name": "e-polykv-admin", "key": "admin-key"},
+        "LLAMA_API_KEY": {"name": "e-polykv-api-key", "key": "api-key"},
+        "POLYKV_ROUTER_KEY": {"name": "e-polykv-admin", "key": "router-key"},
+    }
+    keys = {
+        manifests.admin_key("m", "ns", "e", "u"),
+        *(manifests.derived_key("m", p, "ns", "e", "u") for p in ("api", "router")),
+    }
+    assert len(keys) == 3  # three different keys from one master
 
 
 def test_admin_key_is_derived_per_engine_incarnation() -> None:
@@ -108,16 +126,18 @@ def test_router_objects_and_least_privilege() -> None:
         apiKeySecretRef={"name": "keys", "key": "api"},
         router={"enabled": True, "replicas": 2, "pollIntervalMs": 250},
     )
-    sa, role, binding, deployment, service = manifests.router_objects("qwen", "agents", spec)
-    assert [o["kind"] for o in (sa, role, binding, deployment, service)] == [
-        "ServiceAccount", "Role", "RoleBinding", "Deployment", "Service",
+    sa, binding, deployment, service = manifests.router_objects("qwen", "agents", spec, "cr")
+    assert [o["kind"] for o in (sa, binding, deployment, service)] == [
+        "ServiceAccount", "RoleBinding", "Deployment", "Service",
     ]  # fmt: skip
-    assert {o["metadata"]["name"] for o in (sa, role, binding, deployment, service)} == {
-        "qwen-router"
+    assert {o["metadata"]["name"] for o in (sa, binding, deployment, service)} == {"qwen-router"}
+    # It may see the namespace's pods (the shared ClusterRole, bound here only): no Role of
+    # its own, so the operator needs no verb on roles.
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "cr",
     }
-    # It may see the namespace's pods, and nothing else.
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
-    assert binding["roleRef"]["name"] == "qwen-router"
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "qwen-router", "namespace": "agents"}
     ]
@@ -160,13 +180,14 @@ def test_the_router_command_line_is_one_the_router_accepts() -> None:
 
 
 def test_the_router_never_holds_the_admin_key() -> None:
-    """Without an API key the engine's read-only routes are open: the router needs no key,
-    and it is never given the one that manages pools."""
+    """The router reads with the engine's generated API key and marks what it forwards with
+    the router key; it is never given the key that manages pools."""
     spec = engine_spec(router={"enabled": True})
     c = manifests.router_deployment("qwen", spec)["spec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e for e in c["env"]}
-    assert "POLYKV_ROUTER_ENGINE_API_KEY" not in env
-    assert "polykv-admin" not in str(c)
+    env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef") for e in c["env"]}
+    assert env["POLYKV_ROUTER_ENGINE_API_KEY"] == {"name": "qwen-polykv-api-key", "key": "api-key"}
+    assert env["POLYKV_ROUTER_KEY"] == {"name": "qwen-polykv-admin", "key": "router-key"}
+    assert "admin-key" not in str(c)
 
 
 def test_router_defaults_are_off() -> None:

@@ -193,6 +193,17 @@ def test_engine_status() -> None:
     assert out.model_dump(by_alias=True)["replicaStatus"][0]["podIP"] == "10.0.0.1"
 
 
+def test_a_name_clash_stalls_the_engine_naming_the_object() -> None:
+    st = state_with({"a": engine_with("root")}, {"uid-root": RENDER})
+    st.pods["a"] = pod("a", "10.0.0.1", gate="True")
+    st.clash = "name clash: held by objects this PolyKVEngine does not control: Service eng"
+    out = engine_status(engine_spec(), "eng", 1, st, [ROOT], None, "s")
+    stalled = {c.type: c for c in out.conditions or []}["Stalled"]
+    assert (stalled.status, stalled.reason) == ("True", "NameClash")
+    assert "Service eng" in stalled.message
+    assert not st.nothing_pending()  # a clash is retried, never settled
+
+
 def test_engine_status_reports_the_rounds_figure_and_leaves_it() -> None:
     st = state_with({"a": engine_with("root")}, {"uid-root": RENDER})
     st.mean_active_tps = 7.5  # the round's to write

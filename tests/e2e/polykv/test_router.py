@@ -178,9 +178,10 @@ def test_the_operator_deploys_a_router_that_finds_the_engine_pods(routed: Routed
     ns = f"/api/v1/namespaces/{routed.namespace}"
     api = routed.cluster.api
     # Owned by the engine, and allowed exactly what it needs.
-    role = api.get(
-        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{routed.namespace}/roles/eng-router"
-    )
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    binding = api.get(f"{rbac}/namespaces/{routed.namespace}/rolebindings/eng-router")
+    assert binding["roleRef"]["kind"] == "ClusterRole"
+    role = api.get(f"{rbac}/clusterroles/{binding['roleRef']['name']}")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
     for path in (f"{ns}/services/eng-router", f"{ns}/serviceaccounts/eng-router"):
         owner = api.get(path)["metadata"]["ownerReferences"][0]
@@ -362,7 +363,7 @@ def test_the_router_goes_when_spec_router_is_turned_off(routed: Routed) -> None:
         f"{ns}/services/eng-router",
         f"{ns}/serviceaccounts/eng-router",
         f"/apis/apps/v1/namespaces/{routed.namespace}/deployments/eng-router",
-        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{routed.namespace}/roles/eng-router",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{routed.namespace}/rolebindings/eng-router",
     )
     eventually(
         "router objects deleted",

@@ -1,0 +1,80 @@
+"""Use case of the engine's apply handler: write the objects a PolyKVEngine owns, and take
+a turned-off router's objects away, touching nothing the engine does not control.
+
+Every name is looked up first (`Kube.ownership`). When any of them is held by an object the
+engine is not the controller of (another team's `api-router`, a Service named after the
+engine), nothing at all is written: the engine turns `Stalled` with a message naming each
+such object, and the handler retries later (the clash may be resolved by deleting or
+renaming either side). Objects found ours are patched at the resourceVersion they were seen
+at; a router that is off has only its objects that are ours deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from . import manifests
+from .faults import crash_point
+from .kube import Kube, Obj, Ownership
+
+log = logging.getLogger("polykv.operator.objects")
+
+# The engine's own objects have crash points (faults.POINTS); a router's do not.
+CRASH_AFTER = {
+    "Secret": "secret-applied",
+    "Deployment": "deployment-applied",
+    "Service": "service-applied",
+}
+
+
+@dataclass(frozen=True)
+class Clash:
+    """Names the engine wants that other objects hold."""
+
+    foreign: tuple[Ownership, ...]
+
+    @property
+    def message(self) -> str:
+        names = ", ".join(o.what for o in self.foreign)
+        return (
+            f"name clash: held by objects this PolyKVEngine does not control: {names}; "
+            "nothing is written until they are removed or the engine is renamed"
+        )
+
+
+async def apply_objects(
+    kube: Kube,
+    namespace: str,
+    engine: str,
+    owner_uid: str,
+    own: list[Obj],
+    router: list[Obj] | None,
+) -> Clash | None:
+    """Writes `own` (and `router`, when the router is on) or, with the router off, deletes
+    the router objects that are ours. Returns the clash when a name is held by someone else,
+    having written nothing."""
+    wanted = own + (router or [])
+    seen = [
+        await kube.ownership(
+            namespace, o["apiVersion"], o["kind"], o["metadata"]["name"], owner_uid
+        )
+        for o in wanted
+    ]
+    foreign = tuple(s for s in seen if s.exists and not s.ours)
+    if foreign:
+        return Clash(foreign)
+    for i, (obj, found) in enumerate(zip(wanted, seen, strict=True)):
+        what = await kube.apply_owned(namespace, obj, found)
+        log.info("%s %s/%s %s", obj["kind"], namespace, found.name, what)
+        if i < len(own):
+            crash_point(CRASH_AFTER[obj["kind"]])
+    if router is None:
+        name = manifests.router_name(engine)
+        for api_version, kind in manifests.ROUTER_KINDS:
+            found = await kube.ownership(namespace, api_version, kind, name, owner_uid)
+            if found.ours and await kube.delete_owned(namespace, api_version, found):
+                log.info("%s %s/%s deleted (spec.router is off)", kind, namespace, name)
+            elif found.exists and not found.ours:
+                log.info("%s %s/%s is not ours: left alone", kind, namespace, name)
+    return None

@@ -1,0 +1,341 @@
+"""What the operator's own credentials can and cannot do on the real API server.
+
+The operator's ServiceAccount gets a token from the TokenRequest API (`kubectl create
+token`), with the RBAC and admission policy of operator/deploy/rbac.yaml (the chart's rules
+for an operator serving every namespace). Each attack a cluster-admin-like role would allow
+is tried with that token and refused: minting a service-account token Secret, reading or
+patching a Secret that is not an engine's, swapping a pod's image, running a Deployment as
+another ServiceAccount, binding a stronger role. What the operator needs still passes.
+With `operator.watchNamespaces`, the chart's Roles reach only those namespaces.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from polykv_testenv import ControlPlane
+
+from ..helpers import Obj, eventually, get_or_none
+
+pytestmark = pytest.mark.k8s
+
+ROOT = Path(__file__).resolve().parents[3]
+OURS = {"app.kubernetes.io/managed-by": "polykv-operator", "polykv.io/engine": "eng"}
+COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
+class As:
+    """Requests with one bearer token, answered as they come (no raising)."""
+
+    def __init__(self, cluster: ControlPlane, token: str) -> None:
+        self.http = httpx.Client(
+            base_url=cluster.credentials.server,
+            verify=ssl.create_default_context(cafile=str(cluster.credentials.ca_file)),
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=30,
+        )
+
+    def call(
+        self, method: str, path: str, body: Any = None, ctype: str = "application/json"
+    ) -> httpx.Response:
+        content = None if body is None else json.dumps(body)
+        return self.http.request(method, path, content=content, headers={"Content-Type": ctype})
+
+
+def token_of(kubeconfig: Path) -> str:
+    return str(yaml.safe_load(kubeconfig.read_text())["users"][0]["user"]["token"])
+
+
+@pytest.fixture
+def operator_api(k8s_cluster: ControlPlane, operator_kubeconfig: Path) -> Iterator[As]:
+    client = As(k8s_cluster, token_of(operator_kubeconfig))
+    yield client
+    client.http.close()
+
+
+def can_i_list(cluster: ControlPlane, kubeconfig: Path, namespace: str) -> dict[str, set[str]]:
+    """`kubectl auth can-i --list` as the kubeconfig's user: resource -> verbs."""
+    out = cluster.kubectl(
+        "--kubeconfig", str(kubeconfig), "auth", "can-i", "--list", "-n", namespace
+    ).stdout
+    table: dict[str, set[str]] = {}
+    for line in out.splitlines()[1:]:
+        cols = line.split()
+        # Non-resource URL lines (discovery's [/api/*] get) start with their "[...]" column.
+        if not cols or cols[0].startswith("[") or not cols[-1].endswith("]"):
+            continue
+        resource = cols[0]
+        verbs = line[line.rindex("[") + 1 : line.rindex("]")].split()
+        table.setdefault(resource, set()).update(verbs)
+    return table
+
+
+def secret(name: str, labels: dict[str, str] | None = None, **extra: Any) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "labels": labels or {}},
+        "stringData": {"password": "hunter2"},
+        **extra,
+    }
+
+
+def pending_pod(name: str, labels: dict[str, str]) -> Obj:
+    """A pod no node will run (its nodeSelector matches none): an object to patch."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "nodeSelector": {"polykv.io/no-such-node": "true"},
+            "containers": [{"name": "app", "image": "polykv/testserver:1"}],
+        },
+    }
+
+
+def refused(resp: httpx.Response) -> bool:
+    return resp.status_code == 403
+
+
+def test_the_operators_token_cannot_mint_tokens_read_secrets_or_swap_images(
+    k8s_cluster: ControlPlane, namespace: str, operator_kubeconfig: Path, operator_api: As
+) -> None:
+    ns = f"/api/v1/namespaces/{namespace}"
+    # A new ValidatingAdmissionPolicy is enforced once the API server's admission plugin
+    # has read it: wait until a write it refuses (a dry run) is refused.
+    eventually(
+        "the admission policy is in effect",
+        lambda: (
+            True
+            if refused(operator_api.call("POST", f"{ns}/secrets?dryRun=All", secret("probe", OURS)))
+            else None
+        ),
+        60,
+    )
+    table = can_i_list(k8s_cluster, operator_kubeconfig, namespace)
+    print("can-i --list:", json.dumps({k: sorted(v) for k, v in sorted(table.items())}))
+    assert table["secrets"] == {"create", "patch"}  # never get, list or watch
+    assert "*" not in table and "*.*" not in table
+    assert not any("*" in verbs or "get" in verbs for verbs in table.values()), table
+    assert "roles.rbac.authorization.k8s.io" not in table
+    assert "pods/exec" not in table
+
+    # Another team's Secret: not readable, and a patch (which answers with the object) is
+    # refused before it returns anything, even under an engine's Secret name.
+    k8s_cluster.api.create(f"{ns}/secrets", secret("theirs"))
+    k8s_cluster.api.create(f"{ns}/secrets", secret("theirs-polykv-admin"))
+    for name in ("theirs", "theirs-polykv-admin"):
+        got = operator_api.call("GET", f"{ns}/secrets/{name}")
+        assert refused(got), got.text
+        patched = operator_api.call(
+            "PATCH", f"{ns}/secrets/{name}", {"metadata": {"labels": OURS}},
+            "application/merge-patch+json",
+        )  # fmt: skip
+        assert refused(patched) and "hunter2" not in patched.text, patched.text
+        assert "aHVudGVyMg" not in patched.text  # base64 of it
+    listed = operator_api.call("GET", f"{ns}/secrets")
+    assert refused(listed), listed.text
+
+    # Minting a token for the namespace's default account, under any name and labels.
+    for name in ("mint", "default-polykv-admin"):
+        body = secret(
+            name,
+            OURS,
+            type="kubernetes.io/service-account-token",
+        )
+        body["metadata"]["annotations"] = {"kubernetes.io/service-account.name": "default"}
+        minted = operator_api.call("POST", f"{ns}/secrets", body)
+        assert refused(minted), minted.text
+        assert get_or_none(k8s_cluster.api, f"{ns}/secrets/{name}") is None
+
+    # An engine's admin Secret, as the operator writes it, is accepted.
+    mine = operator_api.call("POST", f"{ns}/secrets", secret("eng-polykv-admin", OURS))
+    assert mine.status_code == 201, mine.text
+
+    # Pods: another team's pod, and one that carries the engine labels, cannot get a new
+    # image; the engine pod's deletion cost and readiness gate can change, nothing else.
+    k8s_cluster.api.create(f"{ns}/pods", pending_pod("theirs", {"app": "theirs"}))
+    k8s_cluster.api.create(f"{ns}/pods", pending_pod("eng-0", OURS))
+    swap = {"spec": {"containers": [{"name": "app", "image": "evil/miner:1"}]}}
+    for name in ("theirs", "eng-0"):
+        r = operator_api.call(
+            "PATCH", f"{ns}/pods/{name}", swap, "application/strategic-merge-patch+json"
+        )
+        assert refused(r), r.text
+        live = k8s_cluster.api.get(f"{ns}/pods/{name}")
+        assert live["spec"]["containers"][0]["image"] == "polykv/testserver:1"
+    cost = {"metadata": {"annotations": {COST: "3"}}}
+    r = operator_api.call("PATCH", f"{ns}/pods/theirs", cost, "application/merge-patch+json")
+    assert refused(r), r.text
+    r = operator_api.call("PATCH", f"{ns}/pods/eng-0", cost, "application/merge-patch+json")
+    assert r.status_code == 200, r.text
+    relabel = {"metadata": {"labels": {"polykv.io/engine": "other"}}}
+    r = operator_api.call("PATCH", f"{ns}/pods/eng-0", relabel, "application/merge-patch+json")
+    assert refused(r), r.text
+    gate = {"status": {"conditions": [{"type": "polykv.io/pools-ready", "status": "True"}]}}
+    r = operator_api.call(
+        "PATCH", f"{ns}/pods/eng-0/status", gate, "application/strategic-merge-patch+json"
+    )
+    assert r.status_code == 200, r.text
+    ready = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    r = operator_api.call(
+        "PATCH", f"{ns}/pods/eng-0/status", ready, "application/strategic-merge-patch+json"
+    )
+    assert refused(r), r.text
+
+    # A Deployment runs as the default account without a token, or as a router's own.
+    apps = f"/apis/apps/v1/namespaces/{namespace}/deployments"
+
+    def deployment(name: str, account: str | None, labels: dict[str, str]) -> Obj:
+        pod: Obj = {
+            "automountServiceAccountToken": False,
+            "containers": [{"name": "app", "image": "polykv/testserver:1"}],
+        }
+        if account:
+            pod["serviceAccountName"] = account
+        return {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": name, "labels": labels},
+            "spec": {
+                "replicas": 0,
+                "selector": {"matchLabels": {"x": name}},
+                "template": {"metadata": {"labels": {"x": name}}, "spec": pod},
+            },
+        }
+
+    r = operator_api.call("POST", apps, deployment("sneaky", "kube-admin", OURS))
+    assert refused(r), r.text
+    r = operator_api.call("POST", apps, deployment("unlabelled", None, {}))
+    assert refused(r), r.text
+    r = operator_api.call("POST", apps, deployment("eng", None, OURS))
+    assert r.status_code == 201, r.text
+
+    # Binding cluster-admin (or anything but the router role) to anyone is refused.
+    rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings"
+    binding: Obj = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "eng-router", "labels": OURS},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ""},
+        "subjects": [{"kind": "ServiceAccount", "name": "eng-router", "namespace": namespace}],
+    }
+    for role in ("cluster-admin", "edit"):
+        binding["roleRef"]["name"] = role
+        r = operator_api.call("POST", rbac, binding)
+        assert refused(r), r.text
+    binding["roleRef"]["name"] = "polykv-router"
+    r = operator_api.call("POST", rbac, binding)
+    assert r.status_code == 201, r.text
+    binding["metadata"]["name"] = "other"
+    r = operator_api.call("POST", rbac, binding)  # subject is not the binding's own account
+    assert refused(r), r.text
+
+    # Kube-system is no different: no pod there gets a new image.
+    system = "/api/v1/namespaces/kube-system/pods"
+    victim = f"victim-{namespace}"
+    k8s_cluster.api.create(system, pending_pod(victim, {"tier": "control-plane", **OURS}))
+    try:
+        r = operator_api.call(
+            "PATCH", f"{system}/{victim}", swap, "application/strategic-merge-patch+json"
+        )
+        assert refused(r), r.text
+    finally:
+        k8s_cluster.api.delete(f"{system}/{victim}", {"gracePeriodSeconds": 0})
+
+
+def test_watch_namespaces_confine_the_operator_to_them(
+    k8s_cluster: ControlPlane, namespace: str, tmp_path: Path
+) -> None:
+    """The chart rendered with operator.watchNamespaces=[namespace]: a Role there, nothing
+    namespaced anywhere else (another namespace, cluster-wide)."""
+    release = f"scoped-{namespace}"
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"operator": {"watchNamespaces": [namespace]}}))
+    rendered = k8s_cluster.helm(
+        "template", release, str(ROOT / "helm" / "polykv"), "-n", namespace, "-f", str(values),
+        "--show-only", "templates/rbac.yaml", "--show-only", "templates/serviceaccount.yaml",
+    ).stdout  # fmt: skip
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    assert {d["kind"] for d in docs} >= {"ClusterRole", "Role", "RoleBinding", "ServiceAccount"}
+    k8s_cluster.apply(rendered)
+    account = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    token = k8s_cluster.kubectl(
+        "create", "token", account, "-n", namespace, "--duration=1h"
+    ).stdout.strip()
+    client = As(k8s_cluster, token)
+    try:
+        here = f"/apis/apps/v1/namespaces/{namespace}/deployments"
+        # The Role's binding may take a moment to reach the authorizer's cache.
+        eventually(
+            "the Role is in effect",
+            lambda: (
+                True
+                if client.call("POST", f"{here}?dryRun=All", _plain_deployment()).status_code
+                in (201, 200)
+                else None
+            ),
+            30,
+        )
+        for path in (
+            "/apis/apps/v1/namespaces/default/deployments?dryRun=All",
+            "/api/v1/namespaces/default/services?dryRun=All",
+        ):
+            body = _plain_deployment() if "deployments" in path else _plain_service()
+            r = client.call("POST", path, body)
+            assert refused(r), (path, r.text)
+        for path in ("/api/v1/pods", "/api/v1/namespaces/default/pods", "/api/v1/secrets"):
+            r = client.call("GET", path)
+            assert refused(r), (path, r.text)
+        r = client.call("GET", f"/api/v1/namespaces/{namespace}/pods")
+        assert r.status_code == 200, r.text
+        r = client.call("GET", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions")
+        assert r.status_code == 200, r.text
+    finally:
+        client.http.close()
+        for d in docs:
+            if d["kind"] in ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                             "ValidatingAdmissionPolicyBinding"):  # fmt: skip
+                k8s_cluster.kubectl("delete", d["kind"], d["metadata"]["name"], check=False)
+
+
+def _plain_deployment() -> Obj:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": "probe",
+            "labels": {"app.kubernetes.io/managed-by": "polykv-operator"},
+        },
+        "spec": {
+            "replicas": 0,
+            "selector": {"matchLabels": {"x": "probe"}},
+            "template": {
+                "metadata": {"labels": {"x": "probe"}},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "containers": [{"name": "app", "image": "polykv/testserver:1"}],
+                },
+            },
+        },
+    }
+
+
+def _plain_service() -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": "probe",
+            "labels": {"app.kubernetes.io/managed-by": "polykv-operator"},
+        },
+        "spec": {"selector": {"x": "probe"}, "ports": [{"port": 80}]},
+    }
