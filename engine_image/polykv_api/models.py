@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from polykv_api.limits import INT32_MAX, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOLS
+
 TokenId = Annotated[int, Field(ge=0)]
 # Request models are strict: JSON `true` is not token 1 and "5" is not 5. A client that
 # sends the wrong type learns it from a 400 instead of getting a guess.
@@ -47,15 +49,19 @@ class SamplingFields(_Request):
     """Generation settings shared by every completion route (llama-server names)."""
 
     temperature: float = Field(0.8, ge=0.0, le=100.0)
-    top_k: int = Field(40, ge=0)
+    top_k: int = Field(40, ge=0, le=INT32_MAX)
     top_p: float = Field(0.95, ge=0.0, le=1.0)
     min_p: float = Field(0.05, ge=0.0, le=1.0)
     seed: int = Field(-1, ge=-1, le=2**32 - 1, description="-1 picks a random seed")
     repeat_penalty: float = Field(1.0, ge=0.0)
-    repeat_last_n: int = Field(64, ge=-1)
+    repeat_last_n: int = Field(
+        64, ge=-1, le=INT32_MAX, description="at most the slot's context; -1: all of it"
+    )
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_STOPS
+    )
     ignore_eos: bool = False
     stream: bool = False
     cache_prompt: bool = True
@@ -67,12 +73,17 @@ class SamplingFields(_Request):
         description="Continuation key (visible ASCII, no spaces); the x-session-id header is "
         "an alternative",
     )
-    id_slot: int = Field(-1, ge=-1)
+    id_slot: int = Field(-1, ge=-1, le=INT32_MAX)
     overcommit: bool = False
     pool_id: int | str | None = Field(None, description="attach to this pool (id or name)")
-    shared_pool_slot: int | None = Field(None, ge=0, description="legacy alias of pool_id")
+    shared_pool_slot: int | None = Field(
+        None, ge=0, le=INT32_MAX, description="legacy alias of pool_id"
+    )
     shared_prefix_n_tokens: int | None = Field(
-        None, ge=1, description="explicit shared prefix length P; default: computed (auto-P)"
+        None,
+        ge=1,
+        le=INT32_MAX,
+        description="explicit shared prefix length P; default: computed (auto-P)",
     )
 
     def pool_ref(self) -> int | str | None:
@@ -102,9 +113,15 @@ class CompletionRequest(SamplingFields):
     """``POST /completion`` (llama-server native)."""
 
     prompt: str | list[PromptPart]
-    n_predict: int = Field(-1, ge=-1, description="-1 generates until EOS or the context ends")
-    max_tokens: int | None = Field(None, ge=0, description="alias of n_predict (llama-server)")
-    max_completion_tokens: int | None = Field(None, ge=0, description="alias of n_predict")
+    n_predict: int = Field(
+        -1, ge=-1, le=INT32_MAX, description="-1 generates until EOS or the context ends"
+    )
+    max_tokens: int | None = Field(
+        None, ge=0, le=INT32_MAX, description="alias of n_predict (llama-server)"
+    )
+    max_completion_tokens: int | None = Field(
+        None, ge=0, le=INT32_MAX, description="alias of n_predict"
+    )
     n_probs: int = Field(
         0, ge=0, le=20, description="log-probabilities of the N most likely tokens per step"
     )
@@ -144,7 +161,9 @@ class OAICompletionRequest(SamplingFields):
 
     model: str | None = None
     prompt: str | list[PromptPart] | list[str]
-    max_tokens: int | None = Field(None, ge=0, description="absent: until EOS (llama-server)")
+    max_tokens: int | None = Field(
+        None, ge=0, le=INT32_MAX, description="absent: until EOS (llama-server)"
+    )
     n: int = Field(1, ge=1, le=1, description="only one choice per request is supported")
     echo: bool = False
     stream_options: StreamOptions | None = None
@@ -243,14 +262,14 @@ class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``; the prompt is rendered with the model's chat template."""
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = Field(
         None, description='"none", "auto", "required" or {"type": "function", "function": {...}}'
     )
     parallel_tool_calls: bool = True
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     n: int = Field(1, ge=1, le=1, description="only one choice per request is supported")
     response_format: ResponseFormat | None = None
     stream_options: StreamOptions | None = None
@@ -262,8 +281,8 @@ class ChatCompletionRequest(SamplingFields):
 class ApplyTemplateRequest(_Control):
     """``POST /apply-template`` (llama-server): the chat template applied, no inference."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -444,6 +463,11 @@ Reason = Literal[
     "template_error",
     "prompt_too_long",
     "not_supported",
+    # bounds (polykv_api.limits)
+    "json_too_deep",
+    "grammar_too_large",
+    "schema_too_large",
+    "limit_exceeded",
     # keys
     "unauthorized",
     "forbidden",
@@ -601,10 +625,11 @@ class PoolPrefix(_Control):
     messages: list[ChatMessage] | None = Field(
         None,
         min_length=1,
+        max_length=MAX_MESSAGES,
         description="rendered with the model's chat template, without a generation prompt: "
         "the system block a later /v1/chat/completions attach shares",
     )
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     from_session: str | None = Field(
         None, min_length=1, description="snapshot a live session's context (no recompute)"
     )

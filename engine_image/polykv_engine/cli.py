@@ -51,6 +51,11 @@ def _env(name: str, default: Any) -> Any:
     return os.environ.get(f"LLAMA_ARG_{name}", default)
 
 
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return None if value is None else int(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="polykv-engine",
@@ -218,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests that may wait for a slot; more get 503 + Retry-After (default 8 x -np)",
     )
     p.add_argument(
+        "--polykv-max-body-bytes",
+        type=int,
+        default=_env_int("POLYKV_MAX_BODY_BYTES"),
+        help="largest request body; a bigger one is refused (413) before it is read "
+        "(default: 64 bytes per context token + 2 MiB; also POLYKV_MAX_BODY_BYTES)",
+    )
+    p.add_argument(
         "--sse-ping-interval",
         type=float,
         default=10.0,
@@ -298,6 +310,11 @@ def config_from_args(
         ("--port", args.port, 0),
         ("--polykv-pool-grace-ms", args.polykv_pool_grace_ms, 0),
         ("--polykv-max-queue", args.polykv_max_queue or 0, 0),
+        (
+            "--polykv-max-body-bytes",
+            1 if args.polykv_max_body_bytes is None else args.polykv_max_body_bytes,
+            1,
+        ),
         ("--polykv-park-mib", args.polykv_park_mib, 0),
     ):
         if value < low:
@@ -389,6 +406,7 @@ def config_from_args(
         shutdown_timeout_s=args.shutdown_timeout,
         sse_ping_interval_s=args.sse_ping_interval,
         write_timeout_s=args.timeout,
+        max_body_bytes=args.polykv_max_body_bytes,
     )
     return engine_cfg, settings, args
 

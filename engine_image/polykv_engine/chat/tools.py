@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from polykv_engine.chat.partial_json import Node, NotJson, scan, skip_ws
-from polykv_engine.llama.grammar import Grammar, from_schema
+from polykv_engine.llama.grammar import Grammar, GrammarError, from_schema
+from polykv_engine.llama.schema_bounds import SchemaBoundError, check_schema
 
 ToolFormat = Literal["hermes", "llama3", "mistral", "generic"]
 Choice = Literal["none", "auto", "required"]
@@ -214,6 +215,13 @@ def plan(
     mode, functions = resolve_choice(tools, tool_choice)
     if not functions:
         return None
+    for fn in functions:  # each schema on its own, so a refusal names its function
+        try:
+            check_schema(fn.get("parameters") or {})
+        except SchemaBoundError as exc:
+            raise GrammarError(
+                f"parameters of {fn['name']!r}{exc}", reason="schema_too_large"
+            ) from exc
     fns = tuple(functions)
     if fmt == "generic":
         return ToolPlan(fmt, mode, fns, Grammar(_generic_gbnf(fns, mode, parallel)), True)

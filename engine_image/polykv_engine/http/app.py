@@ -15,13 +15,15 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from polykv_api.limits import default_body_bytes
 from polykv_engine.core.engine import Engine
 from polykv_engine.http.admission_gate import AdmissionGate
 from polykv_engine.http.app_context import APP_KEY, AppContext, ServerSettings
 from polykv_engine.http.auth import auth_middleware
-from polykv_engine.http.errors import DEFAULT_REASONS, ApiError
+from polykv_engine.http.errors import BODY_LIMIT, DEFAULT_REASONS, ApiError
 from polykv_engine.http.mailbox import loop_turns
 from polykv_engine.http.metrics import ComputeThreads, build_registry
+from polykv_engine.http.offload import WORKER, LargeStackExecutor
 from polykv_engine.http.routes import inference, info, pools
 
 log = logging.getLogger("polykv.http")
@@ -73,11 +75,27 @@ def compute_threads(engine: Engine) -> ComputeThreads | None:
     return None if rt is None else ComputeThreads(rt.n_threads, rt.omp_wait, rt.cpu_limit)
 
 
+# Before the model has loaded with -c 0 the context size is unknown; bodies are refused with
+# 503 then anyway, so any limit serves until the real one applies.
+UNKNOWN_CTX = 131072
+
+
+def body_limit(engine: Engine, settings: ServerSettings) -> int:
+    """--polykv-max-body-bytes, else the default for this engine's context size."""
+    if settings.max_body_bytes is not None:
+        return settings.max_body_bytes
+    rt = engine.runtime
+    n_ctx = rt.n_ctx if rt is not None else engine.cfg.runtime.n_ctx
+    return default_body_bytes(n_ctx or UNKNOWN_CTX)
+
+
 def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
     app = web.Application(
         middlewares=[metrics_middleware, error_middleware, auth_middleware],
-        client_max_size=settings.max_body_bytes,
+        client_max_size=body_limit(engine, settings),  # for aiohttp's own reads
     )
+    app[BODY_LIMIT] = lambda: body_limit(engine, settings)
+    app[WORKER] = LargeStackExecutor()
     ctx = AppContext(engine=engine, settings=settings)
     app[APP_KEY] = ctx
     registry, http_counter = build_registry(
@@ -98,6 +116,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
 
     async def stop_gate(_: web.Application) -> None:
         await ctx.gate.stop()  # type: ignore[union-attr]
+        app[WORKER].shutdown(wait=False)
 
     app.on_startup.append(start_gate)
     app.on_cleanup.append(stop_gate)

@@ -43,7 +43,7 @@ class ServerSettings:
     shutdown_timeout_s: float = 20.0
     sse_ping_interval_s: float = 10.0  # keep-alive comments on an idle stream
     write_timeout_s: float = 600.0  # a client that reads nothing this long is dropped
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int | None = None  # None: derived from the context size (limits)
 
 
 @dataclass(slots=True)

@@ -5,13 +5,17 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+import numpy as np
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from polykv_api.limits import MAX_JSON_DEPTH
 from polykv_api.models import Reason
+from polykv_engine.http.offload import offload
 
 TYPES = {
     400: "invalid_request_error",
@@ -85,23 +89,88 @@ def validation_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-async def read_json(request: web.Request) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 that says what is wrong with it. A body
-    declared as something else than JSON is a 415 (no Content-Type at all is taken as JSON)."""
-    declared = request.headers.get("Content-Type")
-    if declared is not None:
-        mime = request.content_type
-        if mime != "application/json" and not mime.endswith("+json"):
-            raise ApiError(
-                415,
-                f"Content-Type {mime!r} is not JSON; send the body as application/json",
-            )
-    raw = await request.read()
+# The body limit in bytes, asked per request: the derived default depends on the context
+# size, known once the model has loaded (http.app sets it).
+BODY_LIMIT: web.AppKey[Callable[[], int]] = web.AppKey("polykv_body_limit")
+BODY_BYTES = "polykv.body_bytes"  # request key: how many bytes the body had (offload sizes)
+READ_CHUNK = 1 << 16
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(
+        413,
+        f"request body is over the limit of {limit} bytes (--polykv-max-body-bytes; by "
+        "default 64 bytes per context token + 2 MiB)",
+        reason="body_too_large",
+    )
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole body, refused with 413 before it is read when Content-Length is over the
+    limit, and as soon as a body without one (chunked) passes it."""
+    limit = request.app[BODY_LIMIT]()
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(limit)
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await request.content.read(READ_CHUNK):
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        parts.append(chunk)
+    raw = b"".join(parts)
+    request[BODY_BYTES] = len(raw)
+    return raw
+
+
+# Strings (their brackets are text) and everything but brackets, removed in C: what is
+# left is the nesting, measured without recursion however deep it goes.
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"?', re.DOTALL)
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_OPEN = np.zeros(256, np.int8)
+_OPEN[list(b"[{")] = 1
+_OPEN[list(b"]}")] = -1
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def json_depth(raw: bytes) -> int:
+    """How deeply arrays and objects nest in the JSON text ``raw`` (strings skipped)."""
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    return int(np.cumsum(_OPEN[np.frombuffer(brackets, np.uint8)], dtype=np.int64).max())
+
+
+def _not_json_number(text: str) -> Any:
+    raise ValueError(f"{text} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is out of the range of a double")
+    return value
+
+
+def decode_json(raw: bytes) -> dict[str, Any]:
+    """A body's bytes as a JSON object, or a 400 that says what is wrong with them. Checks
+    the nesting first, so no parser recurses past ``MAX_JSON_DEPTH``."""
     if not raw:
         raise ApiError(400, "request body is empty; expected a JSON object", reason="invalid_json")
+    # Fewer brackets than the limit cannot nest past it (counted in C, no scan needed).
+    few = raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH
+    depth = 0 if few else json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise ApiError(
+            400,
+            f"request body: arrays and objects nest {depth} deep, the limit is {MAX_JSON_DEPTH}",
+            reason="json_too_deep",
+        )
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = json.loads(raw, parse_constant=_not_json_number, parse_float=_finite)
+        if _LONE_SURROGATE.search(raw):  # text that is no Unicode cannot be tokenized
+            json.dumps(body, ensure_ascii=False).encode()
+    except (ValueError, RecursionError) as exc:  # ValueError: also 5000-digit integers
         raise ApiError(
             400, f"request body is not valid JSON: {exc}", reason="invalid_json"
         ) from exc
@@ -114,9 +183,30 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     return body
 
 
-async def parse(request: web.Request, model: type[M]) -> M:
-    """The JSON body validated against a wire model; a 400 naming every bad field."""
-    body = await read_json(request)
+def _check_content_type(request: web.Request) -> None:
+    """A body declared as something else than JSON is a 415 (no Content-Type at all is
+    taken as JSON)."""
+    declared = request.headers.get("Content-Type")
+    if declared is not None:
+        mime = request.content_type
+        if mime != "application/json" and not mime.endswith("+json"):
+            raise ApiError(
+                415,
+                f"Content-Type {mime!r} is not JSON; send the body as application/json",
+            )
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 that says what is wrong with it (a 415
+    for another declared type, a 413 past the body limit). A large body is decoded off the
+    event loop."""
+    _check_content_type(request)
+    raw = await read_body(request)
+    return await offload(request, len(raw), decode_json, raw)
+
+
+def validate(body: dict[str, Any], model: type[M]) -> M:
+    """A decoded body validated against a wire model; a 400 naming every bad field."""
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -127,3 +217,15 @@ async def parse(request: web.Request, model: type[M]) -> M:
             "unknown_fields" if unknown and len(unknown) == len(exc.errors()) else "invalid_request"
         )
         raise ApiError(400, validation_message(exc), reason=reason) from exc
+
+
+def _decode_and_validate(raw: bytes, model: type[M]) -> M:
+    return validate(decode_json(raw), model)
+
+
+async def parse(request: web.Request, model: type[M]) -> M:
+    """The JSON body validated against a wire model; a 400 naming every bad field. A large
+    body is decoded and validated off the event loop."""
+    _check_content_type(request)
+    raw = await read_body(request)
+    return await offload(request, len(raw), _decode_and_validate, raw, model)

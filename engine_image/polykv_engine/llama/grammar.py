@@ -16,13 +16,29 @@ from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp.llama_cpp as C
+from llama_cpp import llama_grammar
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
+from polykv_api.limits import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_DEPTH, MAX_GRAMMAR_RULES
+from polykv_api.models import Reason
+from polykv_engine.llama.repetition import repetition
+from polykv_engine.llama.schema_bounds import SchemaBoundError, check_schema
+
 ANY_JSON_OBJECT = JSON_GBNF  # root: any JSON object, llama.cpp's json.gbnf
+
+# The converter spells maxLength/maxItems/{m,n} as nested optional groups, one per count
+# (llama.cpp's GBNF parser recurses once per group: 100000 of them overflow its stack).
+# Its repetition builder is replaced by one that writes GBNF's own x{m,n} syntax, as
+# llama.cpp's C++ converter does; the meaning of every schema stays the same.
+llama_grammar._build_repetition = repetition
 
 
 class GrammarError(ValueError):
     """A grammar or schema llama.cpp cannot use; the message says why."""
+
+    def __init__(self, message: str, reason: Reason = "invalid_request") -> None:
+        super().__init__(message)
+        self.reason: Reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +147,10 @@ def int_range(lo: int | None, hi: int | None) -> str:
 
 def from_schema(schema: Mapping[str, Any]) -> str:
     """GBNF accepting exactly the JSON documents that validate against ``schema``."""
+    try:
+        check_schema(schema)
+    except SchemaBoundError as exc:
+        raise GrammarError(f"json_schema{exc}", reason="schema_too_large") from exc
     ranges: list[tuple[int | None, int | None]] = []
     prepared = _prepare(schema, "", ranges)
     try:
@@ -144,6 +164,52 @@ def from_schema(schema: Mapping[str, Any]) -> str:
         raise GrammarError(f"json_schema: cannot be turned into a grammar: {exc}") from exc
     except NotImplementedError as exc:
         raise GrammarError(f"json_schema: unsupported construct: {exc}") from exc
+
+
+# Text that cannot hold a group: literals, character classes, comments. Each alternative
+# runs to its closing character or to the end (unclosed), so the scan is linear.
+_NOT_GROUPS = re.compile(r'"(?:\\.|[^"\\])*"?|\[(?:\\.|[^\]\\])*\]?|#[^\n]*')
+_NOT_PARENS = re.compile(r"[^()]+")
+
+
+def group_depth(gbnf: str) -> int:
+    """How deeply ( ... ) groups nest in ``gbnf`` (outside literals and classes)."""
+    return _depth(_NOT_GROUPS.sub("", gbnf))
+
+
+def _depth(syntax: str) -> int:
+    parens = _NOT_PARENS.sub("", syntax)
+    depth = deepest = 0
+    for c in parens:
+        depth += 1 if c == "(" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def check_bounds(grammar: Grammar) -> None:
+    """Refuse a grammar llama.cpp's recursive parser could not take (its stack) or that is
+    bigger than any the engine serves; checked before llama.cpp sees the text."""
+    size = len(grammar.gbnf.encode())
+    if size > MAX_GRAMMAR_BYTES:
+        raise GrammarError(
+            f"{size} bytes of GBNF, the limit is {MAX_GRAMMAR_BYTES}", reason="grammar_too_large"
+        )
+    if "\x00" in grammar.gbnf:  # llama.cpp reads a C string: it would parse only a part
+        raise GrammarError("GBNF holds a NUL character")
+    syntax = _NOT_GROUPS.sub("", grammar.gbnf)
+    depth = _depth(syntax)
+    if depth > MAX_GRAMMAR_DEPTH:
+        raise GrammarError(
+            f"groups nest {depth} deep, the limit is {MAX_GRAMMAR_DEPTH}",
+            reason="grammar_too_large",
+        )
+    # llama.cpp's left-recursion check also recurses, from rule to rule: a chain of rules
+    # each starting with the next is as deep as the rules are many.
+    rules = syntax.count("::=")
+    if rules > MAX_GRAMMAR_RULES:
+        raise GrammarError(
+            f"{rules} rules, the limit is {MAX_GRAMMAR_RULES}", reason="grammar_too_large"
+        )
 
 
 def sampler(vocab: Any, grammar: Grammar) -> Any:
@@ -163,5 +229,6 @@ def sampler(vocab: Any, grammar: Grammar) -> Any:
 
 
 def check(vocab: Any, grammar: Grammar) -> None:
-    """Raise GrammarError unless llama.cpp can parse ``grammar``."""
+    """Raise GrammarError unless ``grammar`` is within the bounds and llama.cpp parses it."""
+    check_bounds(grammar)
     C.llama_sampler_free(sampler(vocab, grammar))

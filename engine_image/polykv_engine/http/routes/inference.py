@@ -30,7 +30,7 @@ from polykv_api.models import (
     SamplingFields,
     TokenizeRequest,
 )
-from polykv_engine.chat.tools import ToolCallParser, ToolError
+from polykv_engine.chat.tools import ToolCallParser, ToolError, ToolPlan
 from polykv_engine.chat.tools import plan as tool_plan
 from polykv_engine.core.tasks import (
     DoneEvent,
@@ -42,8 +42,9 @@ from polykv_engine.core.tasks import (
 )
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.auth import identity_of
-from polykv_engine.http.errors import ApiError, parse
+from polykv_engine.http.errors import BODY_BYTES, ApiError, parse
 from polykv_engine.http.mailbox import mailbox
+from polykv_engine.http.offload import offload
 from polykv_engine.http.responses import Logprobs, ResponseBuilder
 from polykv_engine.ids import decimal
 from polykv_engine.llama.grammar import ANY_JSON_OBJECT, Grammar, GrammarError
@@ -100,7 +101,22 @@ class QueueSink:
             self._mailbox.post(self.queue, *held)
 
 
-def _sampling(req: SamplingFields, grammar: Grammar | None) -> SamplingParams:
+def _repeat_last_n(ctx: AppContext, req: SamplingFields) -> int:
+    """``repeat_last_n`` as llama.cpp gets it: -1 is the slot's whole context (as in
+    llama-server); more than the context would size a ring buffer for tokens that cannot
+    exist (2**31 of them: 8 GiB, allocated on the engine thread)."""
+    n_ctx = ctx.engine.snapshot.n_ctx_slot
+    if req.repeat_last_n > n_ctx:
+        raise ApiError(
+            400,
+            f"repeat_last_n: {req.repeat_last_n} is over the slot's context of {n_ctx} tokens "
+            "(-1 means all of it)",
+            reason="limit_exceeded",
+        )
+    return n_ctx if req.repeat_last_n == -1 else req.repeat_last_n
+
+
+def _sampling(req: SamplingFields, grammar: Grammar | None, repeat_last_n: int) -> SamplingParams:
     return SamplingParams(
         temperature=req.temperature,
         top_k=req.top_k,
@@ -108,20 +124,21 @@ def _sampling(req: SamplingFields, grammar: Grammar | None) -> SamplingParams:
         min_p=req.min_p,
         seed=req.seed,
         repeat_penalty=req.repeat_penalty,
-        repeat_last_n=req.repeat_last_n,
+        repeat_last_n=repeat_last_n,
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         grammar=grammar,
     )
 
 
-def _checked(ctx: AppContext, grammar: Grammar | None) -> Grammar | None:
-    """The grammar, once llama.cpp has accepted it (a 400 naming the problem otherwise)."""
+def _checked(ctx: AppContext, grammar: Grammar | None, field: str) -> Grammar | None:
+    """The grammar, once it is within the bounds and llama.cpp has accepted it (a 400
+    naming the field and the problem otherwise)."""
     if grammar is not None:
         try:
             ctx.rt.check_grammar(grammar)
         except GrammarError as exc:
-            raise ApiError(400, str(exc)) from exc
+            raise ApiError(400, f"{field}: {exc}", reason=exc.reason) from exc
     return grammar
 
 
@@ -129,7 +146,12 @@ def _schema_grammar(schema: dict[str, Any], field: str) -> Grammar:
     try:
         return Grammar(grammar_from_schema(schema))
     except GrammarError as exc:
-        raise ApiError(400, f"{field}: {exc}") from exc
+        raise ApiError(400, f"{field}: {exc}", reason=exc.reason) from exc
+
+
+def _body_bytes(request: web.Request) -> int:
+    """The body's size: what decides whether its preparation leaves the event loop."""
+    return int(request.get(BODY_BYTES, 0))
 
 
 def _task_from(
@@ -147,7 +169,7 @@ def _task_from(
         raise ApiError(400, "x-session-id: 1-256 visible ASCII characters (no spaces)")
     return GenerateTask(
         prompt=prompt,
-        sampling=_sampling(req, grammar),
+        sampling=_sampling(req, grammar, _repeat_last_n(ctx_of(request), req)),
         stop=StopParams(n_predict=n_predict, stops=tuple(req.stop), ignore_eos=req.ignore_eos),
         logprobs=logprobs,
         preserved_tokens=preserved,
@@ -368,10 +390,16 @@ async def completion(request: web.Request) -> web.StreamResponse:
     req = await parse(request, CompletionRequest)
     if req.grammar is not None and req.json_schema is not None:
         raise ApiError(400, "give grammar or json_schema, not both")
-    grammar = Grammar(req.grammar) if req.grammar is not None else None
-    if req.json_schema is not None:
-        grammar = _schema_grammar(req.json_schema, "json_schema")
-    prompt = ctx.tokenize_prompt(req.prompt)
+    _repeat_last_n(ctx, req)
+
+    def prepare() -> tuple[Grammar | None, list[int]]:
+        grammar = Grammar(req.grammar) if req.grammar is not None else None
+        if req.json_schema is not None:
+            grammar = _schema_grammar(req.json_schema, "json_schema")
+        field = "grammar" if req.grammar is not None else "json_schema"
+        return _checked(ctx, grammar, field), ctx.tokenize_prompt(req.prompt)
+
+    grammar, prompt = await offload(request, _body_bytes(request), prepare)
     sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     task = _task_from(
         req,
@@ -379,7 +407,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
         req.limit(),
         request,
         sink,
-        grammar=_checked(ctx, grammar),
+        grammar=grammar,
         logprobs=req.n_probs if req.n_probs > 0 else None,
     )
     probs = Logprobs(ctx.token_piece) if req.n_probs > 0 else None
@@ -390,7 +418,8 @@ async def completion(request: web.Request) -> web.StreamResponse:
 async def oai_completion(request: web.Request) -> web.StreamResponse:
     ctx = ctx_of(request)
     req = await parse(request, OAICompletionRequest)
-    prompt = ctx.tokenize_prompt(req.prompt)
+    _repeat_last_n(ctx, req)
+    prompt = await offload(request, _body_bytes(request), ctx.tokenize_prompt, req.prompt)
     sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     n_predict = -1 if req.max_tokens is None else req.max_tokens
     task = _task_from(req, prompt, n_predict, request, sink, logprobs=req.logprobs)
@@ -412,17 +441,28 @@ def _response_format(req: ChatCompletionRequest) -> Grammar | None:
 async def oai_chat(request: web.Request) -> web.StreamResponse:
     ctx = ctx_of(request)
     req = await parse(request, ChatCompletionRequest)
-    try:
-        plan = tool_plan(ctx.tool_format, req.tools, req.tool_choice, req.parallel_tool_calls)
-    except ToolError as exc:
-        raise ApiError(400, str(exc)) from exc
-    grammar = _response_format(req)
-    if grammar is not None and plan is not None and plan.mode != "none":
-        raise ApiError(400, "response_format with tools: constrain one or the other, not both")
-    if plan is not None and grammar is None:
-        grammar = plan.grammar
-    text = ctx.render_chat(req)
-    prompt = ctx.check_prompt_fits(ctx.rt.tokenize(text, add_special=True, parse_special=True))
+    _repeat_last_n(ctx, req)
+
+    def prepare() -> tuple[ToolPlan | None, Grammar | None, list[int], frozenset[int]]:
+        try:
+            plan = tool_plan(ctx.tool_format, req.tools, req.tool_choice, req.parallel_tool_calls)
+        except ToolError as exc:
+            raise ApiError(400, str(exc)) from exc
+        except GrammarError as exc:
+            raise ApiError(400, f"tools: {exc}", reason=exc.reason) from exc
+        grammar = _response_format(req)
+        if grammar is not None and plan is not None and plan.mode != "none":
+            raise ApiError(400, "response_format with tools: constrain one or the other, not both")
+        field = "response_format"
+        if plan is not None and grammar is None:
+            grammar, field = plan.grammar, "tools"
+        grammar = _checked(ctx, grammar, field)
+        text = ctx.render_chat(req)
+        prompt = ctx.check_prompt_fits(ctx.rt.tokenize(text, add_special=True, parse_special=True))
+        preserved = ctx.special_tokens(plan.markers) if plan is not None else frozenset()
+        return plan, grammar, prompt, preserved
+
+    plan, grammar, prompt, preserved = await offload(request, _body_bytes(request), prepare)
     sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     task = _task_from(
@@ -431,9 +471,9 @@ async def oai_chat(request: web.Request) -> web.StreamResponse:
         -1 if limit is None else limit,
         request,
         sink,
-        grammar=_checked(ctx, grammar),
+        grammar=grammar,
         logprobs=req.top_logprobs if req.logprobs else None,
-        preserved=ctx.special_tokens(plan.markers) if plan is not None else frozenset(),
+        preserved=preserved,
     )
     parser = ToolCallParser(plan.fmt) if plan is not None and plan.parse else None
     probs = Logprobs(ctx.token_piece) if req.logprobs else None
@@ -446,17 +486,27 @@ async def apply_template(request: web.Request) -> web.Response:
     """llama-server's ``/apply-template``: the prompt a chat request would be given."""
     ctx = ctx_of(request)
     req = await parse(request, ApplyTemplateRequest)
-    text = ctx.render_messages(req.messages, req.tools, True, req.chat_template_kwargs)
+    text = await offload(
+        request,
+        _body_bytes(request),
+        ctx.render_messages,
+        req.messages,
+        req.tools,
+        True,
+        req.chat_template_kwargs,
+    )
     return web.json_response({"prompt": text})
 
 
-async def tokenize(request: web.Request) -> web.Response:
-    ctx = ctx_of(request)
-    req = await parse(request, TokenizeRequest)
+def _json_text(body: Any) -> str:
+    return json.dumps(body)  # as web.json_response writes it, here off the loop
+
+
+def _tokenized(ctx: AppContext, req: TokenizeRequest) -> str:
     rt = ctx.rt
     tokens = rt.tokenize(req.content, req.add_special, req.parse_special)
     if not req.with_pieces:
-        return web.json_response({"tokens": tokens})
+        return _json_text({"tokens": tokens})
     pieces = []
     for t in tokens:
         raw = rt.token_bytes(t, special=True)
@@ -465,15 +515,28 @@ async def tokenize(request: web.Request) -> web.Response:
         except UnicodeDecodeError:
             piece = list(raw)  # a fragment of a multi-byte character: bytes, as llama-server
         pieces.append({"id": t, "piece": piece})
-    return web.json_response({"tokens": pieces})
+    return _json_text({"tokens": pieces})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    req = await parse(request, TokenizeRequest)
+    ctx.require_ready()
+    text = await offload(request, _body_bytes(request), _tokenized, ctx, req)
+    return web.Response(text=text, content_type="application/json")
+
+
+def _detokenized(ctx: AppContext, req: DetokenizeRequest) -> str:
+    ctx.check_token_ids(req.tokens)
+    return _json_text({"content": ctx.rt.detokenize(req.tokens, special=True)})
 
 
 async def detokenize(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     req = await parse(request, DetokenizeRequest)
-    rt = ctx.rt
-    ctx.check_token_ids(req.tokens)
-    return web.json_response({"content": rt.detokenize(req.tokens, special=True)})
+    ctx.require_ready()
+    text = await offload(request, _body_bytes(request), _detokenized, ctx, req)
+    return web.Response(text=text, content_type="application/json")
 
 
 def add_routes(app: web.Application) -> None:
