@@ -6,8 +6,9 @@ pool. See ``router/README.md`` for the request path and the module table.
 
 Layering (a module imports only from its own layer or lower ones):
 
-    pure   names, request, errors, pods, fleet, bindings, reservations, picker, config
-    I/O    logs, metrics, engines, kube, capacity, proxy
+    pure   names, request, errors, pods, fleet, bindings, reservations, picker, verdicts,
+           config
+    I/O    logs, metrics, engines, kube, capacity, proxy, keycheck
     use    routing            (the request path: continuation, placement, re-home)
     entry  app, cli           (aiohttp wiring, the console script)
 

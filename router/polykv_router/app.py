@@ -19,14 +19,16 @@ from .config import Config
 from .engines import Engines
 from .errors import error_body
 from .fleet import Fleet
+from .keycheck import KeyCheck
 from .kube import InCluster, PodWatch
-from .metrics import Metrics
+from .metrics import Metrics, State
 from .names import INFERENCE_PATHS, PASSTHROUGH_GET, PASSTHROUGH_POST
 from .pods import Pod
 from .proxy import Proxy
 from .request import RequestError
 from .reservations import Reservations
 from .routing import Router
+from .verdicts import KeyVerdicts
 
 log = logging.getLogger("polykv.router")
 
@@ -43,10 +45,12 @@ class RouterApp:
         self.cfg = cfg
         self.env = env
         self.fleet = Fleet()
-        self.bindings = Bindings(cfg.session_ttl_s)
+        self.bindings = Bindings(cfg.session_ttl_s, cfg.max_sessions)
         self.reservations = Reservations(cfg.reservation_max_age_s)
+        self.verdicts = KeyVerdicts(cfg.key_cache_size, cfg.key_ttl_s, cfg.key_refused_ttl_s)
         self.metrics = Metrics()
-        self.metrics.add_state(lambda: (len(self.bindings), self.fleet.counts()))
+        self.metrics.add_state(self._state)
+        self._poller: CapacityPoller | None = None
         self.watch: PodWatch | None = None
         self._router: Router | None = None
         self._clients: list[aiohttp.ClientSession] = []
@@ -87,8 +91,14 @@ class RouterApp:
         self._clients.append(upstream)
         engines = Engines(upstream, cfg.engine_api_key, cfg.lookup_timeout_s)
         poller = CapacityPoller(
-            self.fleet, engines, self.reservations, cfg.poll_interval_s, cfg.pool_idle_s
+            self.fleet,
+            engines,
+            self.reservations,
+            cfg.poll_interval_s,
+            cfg.pool_idle_s,
+            cfg.max_polled_pools,
         )
+        self._poller = poller
         self._router = Router(
             cfg,
             self.fleet,
@@ -96,8 +106,9 @@ class RouterApp:
             self.reservations,
             poller,
             engines,
-            Proxy(upstream, cfg.connect_timeout_s),
+            Proxy(upstream, cfg.connect_timeout_s, cfg.router_key),
             self.metrics,
+            KeyCheck(self.fleet, engines, self.verdicts, self.metrics),
         )
         if cfg.static:
             self.fleet.replace(
@@ -119,6 +130,10 @@ class RouterApp:
                               "namespace": self.watch.creds.namespace if self.watch else None,
                               "static": [r.name for r in cfg.static]}},
         )  # fmt: skip
+
+    def _state(self) -> State:
+        pools = len(self._poller.hot) if self._poller is not None else 0
+        return State(len(self.bindings), self.fleet.counts(), pools, len(self.verdicts))
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         self._tasks.append(asyncio.ensure_future(coro))

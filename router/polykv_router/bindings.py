@@ -25,10 +25,13 @@ class Binding:
 
 
 class Bindings:
-    """Least recently used first, so expiry walks only what has expired."""
+    """Least recently used first, so expiry walks only what has expired; at most
+    ``max_sessions`` (a new one past that drops the least recently used: it is asked for
+    again on its next turn)."""
 
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, max_sessions: int = 100_000) -> None:
         self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
         self._table: OrderedDict[str, Binding] = OrderedDict()
         self._per_replica: Counter[str] = Counter()
 
@@ -48,6 +51,8 @@ class Bindings:
         self.drop(session)
         self._table[session] = binding
         self._per_replica[binding.replica] += 1
+        while len(self._table) > self.max_sessions:
+            self.drop(next(iter(self._table)))
 
     def touch(self, session: str, now: float) -> None:
         b = self._table.get(session)

@@ -6,6 +6,10 @@ One round per interval asks every replica concurrently (``GET /props`` and one
 its last figures, which go stale (the picker then treats them as unknown). The first
 request for a pool nobody has asked about yet waits for one immediate round for that pool
 (``warm``), so it is not placed blind.
+
+Only pools named by requests whose key an engine accepted get here (``keycheck``), and at
+most ``max_pools`` of them: past that the least recently requested one is no longer polled,
+and every replica forgets its figures for a pool no longer polled.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class CapacityPoller:
         reservations: Reservations,
         interval_s: float,
         pool_idle_s: float,
+        max_pools: int = 256,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.fleet = fleet
@@ -37,12 +42,16 @@ class CapacityPoller:
         self.reservations = reservations
         self.interval_s = interval_s
         self.pool_idle_s = pool_idle_s
+        self.max_pools = max_pools
         self.clock = clock
         self.hot: dict[str, float] = {}  # pool -> when a request last named it
         self._warming: dict[str, asyncio.Task[None]] = {}
 
     def want(self, pool: str) -> None:
+        self.hot.pop(pool, None)  # to the end: the dict is least recently requested first
         self.hot[pool] = self.clock()
+        while len(self.hot) > self.max_pools:
+            del self.hot[next(iter(self.hot))]
 
     def known(self, pool: str) -> bool:
         return any(pool in r.pools for r in self.fleet)
@@ -78,6 +87,9 @@ class CapacityPoller:
             if now - seen > self.pool_idle_s:
                 del self.hot[pool]
         pools = list(self.hot)
+        for r in self.fleet:
+            for gone in r.pools.keys() - self.hot.keys():
+                del r.pools[gone]
         await asyncio.gather(*(self._poll_replica(r, pools) for r in self.fleet))
 
     async def _poll_pool(self, pool: str) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 API_KEY_ENV = "POLYKV_ROUTER_ENGINE_API_KEY"
+ROUTER_KEY_ENV = "POLYKV_ROUTER_KEY"
 SA_DIR_ENV = "POLYKV_ROUTER_SERVICEACCOUNT_DIR"
 NAMESPACE_ENV = "POD_NAMESPACE"
 DEFAULT_SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -42,6 +43,16 @@ class Config:
     max_body_bytes: int = 32 * 1024 * 1024
     shutdown_timeout_s: float = 25.0
     engine_api_key: str | None = None
+    router_key: str | None = None
+    """Sent as x-polykv-router-key on every proxied request: the router's identity."""
+    max_sessions: int = 100_000
+    """Bindings held at most (least recently used dropped first; the engines still know)."""
+    max_polled_pools: int = 256
+    """Pools whose capacity is polled at most (the least recently requested is dropped)."""
+    key_cache_size: int = 4096
+    key_ttl_s: float = 60.0
+    """How long an engine's acceptance of a client key is trusted before it is asked again."""
+    key_refused_ttl_s: float = 5.0
     serviceaccount_dir: Path = Path(DEFAULT_SA_DIR)
     log_format: str = "text"
     verbose: bool = False
@@ -95,6 +106,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout-ms", type=_positive(int), default=2000)
     p.add_argument("--lookup-timeout-ms", type=_positive(int), default=1000)
     p.add_argument("--max-body-bytes", type=_positive(int), default=32 * 1024 * 1024)
+    p.add_argument("--max-sessions", type=_positive(int), default=100_000)
+    p.add_argument("--max-polled-pools", type=_positive(int), default=256)
+    p.add_argument("--key-cache-size", type=_positive(int), default=4096)
+    p.add_argument("--key-ttl-s", type=_positive(float), default=60.0)
+    p.add_argument("--key-refused-ttl-s", type=_positive(float), default=5.0)
+    p.add_argument(
+        "--router-key",
+        help=f"the router's identity to the engines (default: ${ROUTER_KEY_ENV})",
+    )
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -125,6 +145,12 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> Config:
         lookup_timeout_s=a.lookup_timeout_ms / 1e3,
         max_body_bytes=a.max_body_bytes,
         engine_api_key=env.get(API_KEY_ENV) or None,
+        router_key=a.router_key or env.get(ROUTER_KEY_ENV) or None,
+        max_sessions=a.max_sessions,
+        max_polled_pools=a.max_polled_pools,
+        key_cache_size=a.key_cache_size,
+        key_ttl_s=a.key_ttl_s,
+        key_refused_ttl_s=a.key_refused_ttl_s,
         serviceaccount_dir=Path(env.get(SA_DIR_ENV) or DEFAULT_SA_DIR),
         log_format=a.log_format,
         verbose=a.verbose,

@@ -11,6 +11,7 @@ from polykv_api.models import REASONS, Reason
 
 TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",

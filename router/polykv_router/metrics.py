@@ -5,6 +5,7 @@ name or a pod name."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -60,6 +61,13 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.key_checks = Counter(
+            "polykv_router_key_checks",
+            "Client credentials checked with an engine (one call each; verdicts are cached): "
+            "accepted, refused, unanswered (that replica did not answer; the next is asked)",
+            ["result"],
+            registry=r,
+        )
         self.added_latency = Histogram(
             "polykv_router_added_latency_seconds",
             "Time the router spent on a request before sending it upstream (parsing, lookup, "
@@ -69,20 +77,36 @@ class Metrics:
             registry=r,
         )
 
-    def add_state(self, state: Callable[[], tuple[int, dict[str, int]]]) -> None:
-        """Gauges read at scrape time: bound sessions and replicas by state."""
+    def add_state(self, state: Callable[[], State]) -> None:
+        """Gauges read at scrape time: bound sessions, replicas by state, polled pools,
+        cached key verdicts."""
         self.registry.register(_StateCollector(state))
 
 
+@dataclass(frozen=True, slots=True)
+class State:
+    sessions: int
+    replicas: dict[str, int]
+    pools: int
+    keys: int
+
+
 class _StateCollector(Collector):
-    def __init__(self, state: Callable[[], tuple[int, dict[str, int]]]) -> None:
+    def __init__(self, state: Callable[[], State]) -> None:
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
-        sessions, replicas = self.state()
+        s = self.state()
         g = GaugeMetricFamily("polykv_router_sessions", "Sessions bound to a replica (cached)")
-        g.add_metric([], sessions)
+        g.add_metric([], s.sessions)
         yield g
+        g = GaugeMetricFamily("polykv_router_polled_pools", "Pools whose capacity is polled")
+        g.add_metric([], s.pools)
+        yield g
+        g = GaugeMetricFamily("polykv_router_key_verdicts", "Client key verdicts cached")
+        g.add_metric([], s.keys)
+        yield g
+        replicas = s.replicas
         r = GaugeMetricFamily(
             "polykv_router_replicas",
             "Engine replicas known, by state: serving, terminating, not_ready",

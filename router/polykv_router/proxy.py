@@ -16,7 +16,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from .errors import Refusal, engine_reason, retry_after_s
-from .names import REHOMED_HEADER, REPLICA_HEADER
+from .names import REHOMED_HEADER, REPLICA_HEADER, ROUTER_KEY_HEADER
 from .pods import Pod
 
 # RFC 9110 §7.6.1 connection-specific fields, plus what aiohttp recomputes for each hop.
@@ -27,8 +27,9 @@ HOP_BY_HOP = frozenset(
         "content-length", "date", "server",
     }
 )  # fmt: skip
-# The router has read the body already (no Expect), and only it may mark a re-home.
-REQUEST_DROP = HOP_BY_HOP | {"expect", REHOMED_HEADER}
+# The router has read the body already (no Expect), and only it may mark a re-home or
+# speak as the router.
+REQUEST_DROP = HOP_BY_HOP | {"expect", REHOMED_HEADER, ROUTER_KEY_HEADER}
 REFUSED_503 = frozenset({"shutting_down", "loading", "kv_full"})
 WHOLE_BODY_MAX = 1 << 20  # a response with a known length up to this is read whole
 
@@ -37,6 +38,7 @@ WHOLE_BODY_MAX = 1 << 20  # a response with a known length up to this is read wh
 class Relayed:
     response: web.StreamResponse
     status: int
+    replica: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,17 +62,30 @@ def upstream_headers(headers: Mapping[str, str], extra: Mapping[str, str]) -> CI
     return out
 
 
-def downstream_headers(headers: CIMultiDictProxy[str], replica: str) -> CIMultiDict[str]:
+def names_replica(status: int) -> bool:
+    """A refusal (401, 403, 429, 5xx) does not say which replica refused: it would tell an
+    unauthenticated or throttled client the fleet's layout."""
+    return status < 500 and status not in (401, 403, 429)
+
+
+def downstream_headers(
+    headers: CIMultiDictProxy[str], replica: str, status: int
+) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict(
         (k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP
     )
-    out[REPLICA_HEADER] = replica
+    out.popall(REPLICA_HEADER, None)
+    if names_replica(status):
+        out[REPLICA_HEADER] = replica
     return out
 
 
 class Proxy:
-    def __init__(self, http: aiohttp.ClientSession, connect_timeout_s: float) -> None:
+    def __init__(
+        self, http: aiohttp.ClientSession, connect_timeout_s: float, router_key: str | None
+    ) -> None:
         self.http = http
+        self.identity = {ROUTER_KEY_HEADER: router_key} if router_key else {}
         self.timeout = aiohttp.ClientTimeout(
             total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s
         )
@@ -85,7 +100,7 @@ class Proxy:
     ) -> Outcome:
         """Sends the request to ``pod``. ``on_accept(status)`` runs once the replica has
         answered with anything but a refusal, before the body is relayed."""
-        headers = upstream_headers(request.headers, extra or {})
+        headers = upstream_headers(request.headers, {**self.identity, **(extra or {})})
         url = pod.base_url + request.raw_path
         for attempt in (1, 2):
             try:
@@ -111,13 +126,12 @@ class Proxy:
                     return Refused(Refusal(pod.name, up.status, reason or "refused", after))
                 if on_accept is not None:
                     on_accept(up.status)
-                resp = web.Response(
-                    status=up.status, body=raw, headers=downstream_headers(up.headers, pod.name)
-                )
-                return Relayed(resp, up.status)
+                headers = downstream_headers(up.headers, pod.name, up.status)
+                resp = web.Response(status=up.status, body=raw, headers=headers)
+                return Relayed(resp, up.status, pod.name)
             if on_accept is not None:
                 on_accept(up.status)
-            return Relayed(await self._relay(request, up, pod), up.status)
+            return Relayed(await self._relay(request, up, pod), up.status, pod.name)
         except BaseException:
             up.close()  # the client went away mid-stream: the engine sees it and stops
             raise
@@ -127,7 +141,7 @@ class Proxy:
     async def _relay(
         self, request: web.Request, up: aiohttp.ClientResponse, pod: Pod
     ) -> web.StreamResponse:
-        headers = downstream_headers(up.headers, pod.name)
+        headers = downstream_headers(up.headers, pod.name, up.status)
         length = up.content_length
         if length is not None and length <= WHOLE_BODY_MAX:
             return web.Response(status=up.status, body=await up.read(), headers=headers)

@@ -10,6 +10,10 @@
   to the next candidate; when all refuse, one 429 with the smallest Retry-After.
 - **Other routes** (``/props``, ``/tokenize``, ...): the least loaded serving replica.
 
+Nothing of this happens before an engine has accepted the client's key (``keycheck``): a
+request it refuses is answered 401 by the router itself, having cost at most one engine
+call per distinct key and verdict TTL.
+
 A miss in the binding table is not a new session yet: every replica is asked
 (``GET /polykv/sessions/{id}``) first, so a restarted router, or a second one, finds it.
 """
@@ -31,8 +35,9 @@ from .config import Config
 from .engines import EngineError, Engines
 from .errors import Refusal, error_body, fleet_refusal
 from .fleet import Fleet, Replica
+from .keycheck import KeyCheck, NoReplica
 from .metrics import Metrics
-from .names import REHOMED_HEADER, REPLICA_HEADER, SESSION_HEADER
+from .names import PUBLIC_PATHS, REHOMED_HEADER, SESSION_HEADER
 from .picker import rank
 from .proxy import Outcome, Proxy, Refused, Relayed
 from .request import RoutingKey, routing_key
@@ -54,6 +59,7 @@ class Router:
         engines: Engines,
         proxy: Proxy,
         metrics: Metrics,
+        keys: KeyCheck,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
@@ -64,6 +70,7 @@ class Router:
         self.engines = engines
         self.proxy = proxy
         self.metrics = metrics
+        self.keys = keys
         self.clock = clock
         self._lookups: dict[str, asyncio.Task[Binding | None]] = {}
 
@@ -71,6 +78,9 @@ class Router:
 
     async def inference(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
+        refused = await self._unauthenticated(request)
+        if refused is not None:
+            return refused
         body = await request.read()
         key = routing_key(request.headers.get(SESSION_HEADER), body)
         if key.session is None:
@@ -84,6 +94,10 @@ class Router:
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
+        if request.path not in PUBLIC_PATHS:
+            refused = await self._unauthenticated(request)
+            if refused is not None:
+                return refused
         body = await request.read()
         order = self._rank(None, gated=False)
         self._observe("other", t0)
@@ -91,6 +105,17 @@ class Router:
         if relayed is not None:
             return relayed.response
         return self._refused(None, refusals, placement=False)
+
+    async def _unauthenticated(self, request: web.Request) -> web.Response | None:
+        """The router's 401 (the engine's shape and words) for a key the engines refuse, a
+        503 when no engine could say; None when the request may go on."""
+        try:
+            if await self.keys.accepted(request.headers):
+                return None
+        except NoReplica:
+            return self._refused(None, [], placement=False)
+        body = error_body(401, "unauthorized", "Invalid API Key")
+        return web.json_response(body, status=401)
 
     # ------------------------------------------------------------------ new sessions
 
@@ -112,7 +137,7 @@ class Router:
                 log.info(
                     "session placed",
                     extra={"fields": {"session": key.session, "pool": key.pool,
-                                      "replica": relayed.response.headers.get(REPLICA_HEADER),
+                                      "replica": relayed.replica,
                                       "attempts": tried}},
                 )  # fmt: skip
             return relayed.response
@@ -190,7 +215,7 @@ class Router:
         log.info(
             "session re-homed",
             extra={"fields": {"session": session, "pool": pool, "from": old, "reason": why,
-                              "to": relayed.response.headers.get(REPLICA_HEADER)}},
+                              "to": relayed.replica}},
         )  # fmt: skip
         return relayed.response
 

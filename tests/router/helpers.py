@@ -35,6 +35,8 @@ class RouterProcess:
     replicas: Mapping[str, str]  # name -> base URL
     log_path: Path
     args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Added to this process's environment (keys: POLYKV_ROUTER_KEY, ...)."""
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
     runs: int = field(default=0)
@@ -50,7 +52,8 @@ class RouterProcess:
         for name, url in self.replicas.items():
             argv += ["--replica", f"{name}={url.removeprefix('http://')}"]
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
+            env = {**os.environ, **self.env}
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.runs += 1
         proc = self.proc
         wait_for(

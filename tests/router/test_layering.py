@@ -12,11 +12,14 @@ from pathlib import Path
 from ..layering import LayerRule, Package, cycles
 
 ROUTER = Package(Path(__file__).resolve().parents[2] / "router" / "polykv_router")
-PURE = ("names", "request", "errors", "pods", "picker", "fleet", "bindings", "reservations")
+PURE = (
+    "names", "request", "errors", "pods", "picker", "fleet", "bindings", "reservations",
+    "verdicts",
+)  # fmt: skip
 RULE = LayerRule(
     {
         **dict.fromkeys((*PURE, "config"), 0),
-        **dict.fromkeys(("logs", "metrics", "engines", "kube", "capacity", "proxy"), 1),
+        **dict.fromkeys(("logs", "metrics", "engines", "kube", "capacity", "proxy", "keycheck"), 1),
         "routing": 2,
         **dict.fromkeys(("app", "cli"), 3),
     },

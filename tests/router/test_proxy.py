@@ -32,6 +32,10 @@ from .helpers import (
 )
 
 ENGINE_ARGS = ("-np", "2", "-c", "4096", "-t", "1", "--metrics", "-ctk", "f32", "-ctv", "f32")
+ROUTER_KEY = "router-identity-for-tests"
+"""The router's identity: the engines honour its re-homes only with it (POLYKV_ROUTER_KEY
+on both sides, as the operator wires them)."""
+IDENTITY = {"POLYKV_ROUTER_KEY": ROUTER_KEY}
 
 StartFleet = Callable[..., dict[str, EngineProcess]]
 StartRouter = Callable[..., RouterProcess]
@@ -46,7 +50,7 @@ def start_fleet(test_model: Path, tmp_path: Path) -> Iterator[StartFleet]:
         out = {}
         for name in names:
             eng = EngineProcess(
-                model=test_model, args=ENGINE_ARGS, log_path=tmp_path / f"{name}.log"
+                model=test_model, args=ENGINE_ARGS, log_path=tmp_path / f"{name}.log", env=IDENTITY
             )
             eng.start(timeout=120)
             started.append(eng)
@@ -65,7 +69,8 @@ def start_router(tmp_path: Path) -> Iterator[StartRouter]:
     started: list[RouterProcess] = []
 
     def start(replicas: dict[str, str], *args: str) -> RouterProcess:
-        r = RouterProcess(replicas, tmp_path / f"router-{len(started)}.log", args).start()
+        log = tmp_path / f"router-{len(started)}.log"
+        r = RouterProcess(replicas, log, args, env=IDENTITY).start()
         started.append(r)
         return r
 
@@ -111,6 +116,16 @@ class _GatedStream(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server: Any
+
+    def do_GET(self) -> None:
+        # An upstream without keys: the router's key check (GET /v1/models) passes.
+        ok = self.path == "/v1/models"
+        body = b'{"object": "list", "data": []}' if ok else b"{}"
+        self.send_response(200 if ok else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", "0")))
@@ -361,7 +376,8 @@ def test_a_client_cannot_mark_its_own_request_rehomed(
     saturate(ec, "crew", settle_max_ms=2000)
     router = start_router(urls(engines))
     body = {"pool_id": "crew", "prompt": pool_prefix("crew") + " sneak", "n_predict": 1}
-    headers = {"x-session-id": "sneaky", "x-polykv-rehomed": "1"}
+    # Neither the marker nor a forged router identity gets past the router.
+    headers = {"x-session-id": "sneaky", "x-polykv-rehomed": "1", "x-polykv-router-key": "x"}
     r = client(router.base_url).post("/completion", json=body, headers=headers)
     assert r.status_code == 429  # gated like any new session
     assert total(metrics(engines["a"].base_url), "polykv_pool_rehomed_sessions_total") == 0

@@ -7,6 +7,7 @@ from polykv_router.fleet import Fleet, PoolAnswer
 from polykv_router.picker import PoolCapacity
 from polykv_router.pods import Pod, pod_from_object
 from polykv_router.reservations import Reservations
+from polykv_router.verdicts import KeyVerdicts, credentials, fingerprint
 
 
 def binding(replica: str, t: float) -> Binding:
@@ -141,3 +142,44 @@ def test_views_count_stale_answers_as_unknown_and_404s_as_missing() -> None:
     assert views["b"].capacity is None and not views["b"].has_pool
     assert views["c"].capacity is None and views["c"].has_pool and views["c"].load == 2
     assert fleet.counts() == {"serving": 3, "terminating": 0, "not_ready": 0}
+
+
+def test_bindings_past_the_bound_drop_the_least_recently_used() -> None:
+    table = Bindings(ttl_s=100, max_sessions=3)
+    for i in range(3):
+        table.bind(f"s{i}", binding("a", float(i)))
+    table.touch("s0", 5.0)  # s1 is now the least recently used
+    table.bind("s3", binding("b", 6.0))
+    assert len(table) == 3
+    assert table.get("s1", 7.0) is None
+    assert all(table.get(s, 7.0) is not None for s in ("s0", "s2", "s3"))
+    assert table.per_replica() == {"a": 2, "b": 1}
+
+
+def test_key_verdicts_expire_and_stay_bounded() -> None:
+    v = KeyVerdicts(max_keys=2, ok_ttl_s=60, refused_ttl_s=5)
+    v.put("good", True, now=0.0)
+    v.put("bad", False, now=0.0)
+    assert v.get("good", 4.0) is True and v.get("bad", 4.0) is False
+    assert v.get("bad", 5.0) is None  # a refusal is remembered briefly
+    assert v.get("good", 59.0) is True and v.get("good", 60.0) is None
+    for i in range(5):
+        v.put(f"k{i}", False, now=10.0)
+    assert len(v) == 2 and v.get("k4", 10.0) is False and v.get("k0", 10.0) is None
+
+
+def test_a_key_is_held_as_a_fingerprint_of_every_header_that_carries_one() -> None:
+    seen = {
+        fingerprint(credentials(h))
+        for h in (
+            {},
+            {"authorization": "Bearer k"},
+            {"x-api-key": "k"},
+            {"authorization": "Bearer k", "x-api-key": "k"},
+            {"authorization": "Bearer k2"},
+        )
+    }
+    assert len(seen) == 5
+    fp = fingerprint({"authorization": "Bearer secret"})
+    assert "secret" not in fp and len(fp) == 64
+    assert credentials({"authorization": "a", "x-session-id": "s"}) == {"authorization": "a"}
