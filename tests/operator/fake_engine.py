@@ -1,8 +1,13 @@
 """An in-memory stand-in for an engine replica's pool API, served through httpx.MockTransport.
 
 Tokens are the prompt's characters (or the messages' contents joined), so tests can reason
-about prefix lengths and branch positions by counting characters. Refusals carry a reason
-code as the real engine's do; `reasons=False` plays an engine older than the codes.
+about prefix lengths and branch positions by counting characters; a `tokens` body is taken
+as it is, like the engine does. Refusals are the engine's own error body (`ErrorBody`, so a
+reason code the wire contract lacks cannot be written) with the engine's status and reason;
+`reasons=False` plays an engine older than the codes. The keys are checked like the engine's
+auth: mutating routes need the admin key (an inference key gets 403), the listing needs a
+key when the engine has an inference key. tests/operator/test_fake_engine_contract.py
+replays the fake's scenarios against a real engine, so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import httpx
 from polykv_api.models import (
     AdmissionPolicy,
     CapacitySummary,
+    ErrorBody,
+    ErrorDetail,
     PoolCreated,
     PoolList,
     PoolSession,
@@ -143,6 +150,8 @@ class FakeEngine:
     unpooled: int = 0  # sessions holding KV outside any pool
     etags: bool = True  # answer If-None-Match with 304 like the engine (False: an older one)
     not_modified: int = 0  # listings answered 304
+    admin_key: str | None = "k"  # what the operator's tests hold (EngineState.admin_key)
+    api_key: str | None = None  # an inference key: the listing then needs a key too
 
     def restart(self, boot_id: str) -> None:
         self.boot_id, self.pools, self.next_id = boot_id, {}, 1
@@ -154,6 +163,9 @@ class FakeEngine:
             raise httpx.ConnectError("connection refused", request=request)
         path, method = request.url.path, request.method
         self.calls.append(f"{method} {path}")
+        refused = self._auth(request)
+        if refused is not None:
+            return refused
         body = json.loads(request.content) if request.content else {}
         parts = path.strip("/").split("/")  # polykv pools [ref] [verb]
         if path == "/polykv/pools" and method == "GET":
@@ -241,7 +253,7 @@ class FakeEngine:
                 return self._error(409, "branch_pos_invalid", f"D={d} is past the parent's end")
             if d == 0:
                 return self._error(409, "no_common_prefix", "nothing in common with the parent")
-        pool = FakePool(self.next_id, name, parent_ref, tokens, d)
+        pool = FakePool(self.next_id, name, parent_ref, tokens, d, pinned=bool(body.get("pin")))
         if body.get("dry_run"):
             return self._json(
                 200,
@@ -289,12 +301,34 @@ class FakeEngine:
     def _json(status: int, body: Any) -> httpx.Response:
         return httpx.Response(status, json=body)
 
-    def _error(self, status: int, reason: Reason, message: str) -> httpx.Response:
-        etype = TYPES.get(status, "invalid_request_error")
-        error: dict[str, Any] = {"code": status, "message": message, "type": etype}
-        if self.reasons:
-            error["reason"] = reason
-        return httpx.Response(status, json={"error": error})
+    def _auth(self, request: httpx.Request) -> httpx.Response | None:
+        """The engine's auth (polykv_engine.http.auth): None when the request may go on."""
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+        key = key or request.headers.get("X-Api-Key")
+        admins = [k for k in (self.admin_key,) if k]
+        if self.api_key and key not in [self.api_key, *admins]:
+            return self._error(401, "unauthorized", "Invalid API Key", "authentication_error")
+        if request.method == "GET" or not admins or key in admins:
+            return None
+        if self.api_key and key == self.api_key:
+            msg = "this key may run inference but not manage pools; use the admin key"
+            return self._error(403, "forbidden", msg, "permission_error")
+        return self._error(401, "unauthorized", "Invalid API Key", "authentication_error")
+
+    def _error(
+        self, status: int, reason: Reason, message: str, etype: str | None = None
+    ) -> httpx.Response:
+        detail = ErrorDetail(
+            code=status,
+            message=message,
+            type=etype or TYPES.get(status, "invalid_request_error"),
+            reason=reason,
+        )
+        body = ErrorBody(error=detail).model_dump()
+        if not self.reasons:
+            del body["error"]["reason"]
+        return httpx.Response(status, json=body)
 
 
 class FakeFleet:

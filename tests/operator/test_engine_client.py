@@ -19,7 +19,7 @@ def client(handler) -> EngineClient:  # type: ignore[no-untyped-def]
 
 
 def test_typed_round_trip_and_auth_header() -> None:
-    eng = FakeEngine()
+    eng = FakeEngine(admin_key="secret")
     seen: list[str] = []
 
     def handler(req: httpx.Request) -> httpx.Response:
@@ -49,7 +49,7 @@ def test_typed_round_trip_and_auth_header() -> None:
 
 
 def test_4xx_is_rejected_with_the_engines_message() -> None:
-    c = client(FakeEngine())
+    c = client(FakeEngine(admin_key="secret"))
     with pytest.raises(EngineRejected) as info:
         asyncio.run(c.create("missing", wire.PoolForkRequest(name="x", prompt="y")))
     assert info.value.status == 404 and "does not exist" in info.value.message
@@ -69,6 +69,15 @@ def test_no_usable_answer_is_unreachable(response: httpx.Response) -> None:
     c = client(lambda req: response)
     with pytest.raises(EngineUnreachable):
         asyncio.run(c.list_pools())
+
+
+def test_a_key_the_engine_does_not_hold_is_unreachable_not_rejected() -> None:
+    """The fake checks the admin key like the engine: another key's create is refused with
+    401, an inference key's with 403, and neither is the engine rejecting the pool."""
+    for eng in (FakeEngine(admin_key="other"), FakeEngine(admin_key="a", api_key="secret")):
+        with pytest.raises(EngineUnreachable, match=r"40[13]"):
+            asyncio.run(client(eng).create(None, wire.PoolCreateRequest(name="x", prompt="y")))
+        assert not eng.pools
 
 
 def test_connection_error_is_unreachable() -> None:
