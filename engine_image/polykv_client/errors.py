@@ -10,6 +10,7 @@ older than the codes is read by its status alone, where the status has one meani
     └── RequestRejected              a 4xx: the engine understood the request and said no
         ├── AuthError                unauthorized, forbidden
         ├── InvalidRequest           the request itself is malformed or too large
+        │   └── InvalidReference     a pool or session reference refused client-side
         ├── PoolNotFound             pool_not_found
         ├── NameConflict             name_conflict
         ├── PrefixMismatch           prefix_mismatch, no_common_prefix, branch_pos_invalid
@@ -74,6 +75,11 @@ class AuthError(RequestRejected):
 
 class InvalidRequest(RequestRejected):
     """The request is malformed, names an unknown field, or is too large for the engine."""
+
+
+class InvalidReference(InvalidRequest):
+    """A pool or session reference the engine would refuse (or could not be sent in a URL
+    path as it is), refused by the client before any request: ``status`` is None."""
 
 
 class PoolNotFound(RequestRejected):
@@ -154,6 +160,10 @@ ERRORS: dict[wire.Reason, type[PolyKVError]] = {
     "token_invalid": InvalidRequest,
     "template_error": InvalidRequest,
     "name_invalid": InvalidRequest,
+    "json_too_deep": InvalidRequest,
+    "grammar_too_large": InvalidRequest,
+    "schema_too_large": InvalidRequest,
+    "limit_exceeded": InvalidRequest,
     "prefix_empty": InvalidRequest,
     "prompt_too_long": PrefixTooLong,
     "prefix_too_long": PrefixTooLong,

@@ -5,7 +5,8 @@ An operation is a generator: it yields the ``Call`` it wants made, receives the
 so an operation may handle one), and returns the typed result. ``client.PolyKVClient``
 and ``client.AsyncPolyKVClient`` drive the same generators over a sync or an async
 transport, so the two clients cannot drift apart. Operations that take several requests
-(``release_subtree``) are written the same way.
+(``release_subtree``) are written the same way. Every pool or session reference goes into
+a path through ``refs`` (checked, percent-encoded), never as it came.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from __future__ import annotations
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
-from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from polykv_api import models as wire
 
+from . import refs
 from .errors import EngineUnavailable, PoolNotFound
 
 T = TypeVar("T")
@@ -106,6 +107,8 @@ def create_pool(
     Idempotent by ``name``: the same prefix again returns the existing pool
     (``created=False``); a different one raises ``NameConflict``."""
     body = _body(wire.PoolCreateRequest, request, locals())
+    if body.get("name") is not None:
+        refs.pool_name(body["name"])
     resp = yield Call("POST", "/polykv/pools", body, admin=True, slow=True)
     return parse(resp, wire.PoolCreated)
 
@@ -129,13 +132,17 @@ def fork_pool(
     the parent's whole length extends it) and prefills only the rest. A prefix that does
     not extend the parent there raises ``PrefixMismatch``."""
     body = _body(wire.PoolForkRequest, request, locals())
-    resp = yield Call("POST", f"/polykv/pools/{parent}/fork", body, admin=True, slow=True)
+    if body.get("name") is not None:
+        refs.pool_name(body["name"])
+    resp = yield Call(
+        "POST", f"/polykv/pools/{refs.pool_ref(parent)}/fork", body, admin=True, slow=True
+    )
     return parse(resp, wire.PoolCreated)
 
 
 def get_pool(ref: wire.PoolRef) -> Op[wire.PoolDetail]:
     """One pool with its subtree (``descendants``) and the engine's boot id."""
-    resp = yield Call("GET", f"/polykv/pools/{ref}")
+    resp = yield Call("GET", f"/polykv/pools/{refs.pool_ref(ref)}")
     return parse(resp, wire.PoolDetail)
 
 
@@ -168,7 +175,9 @@ def list_pools_if_changed(etag: str | None) -> Op[Revalidated]:
 def pool_action(ref: wire.PoolRef, action: PoolAction) -> Op[wire.PoolStatus]:
     """``pin`` (never evicted), ``unpin``, ``evict`` (drop its KV, keep the pool) or
     ``flush`` (evict its whole subtree)."""
-    resp = yield Call("POST", f"/polykv/pools/{ref}/{action}", admin=True)
+    resp = yield Call(
+        "POST", f"/polykv/pools/{refs.pool_ref(ref)}/{refs.segment(action)}", admin=True
+    )
     return parse(resp, wire.PoolStatus)
 
 
@@ -185,7 +194,7 @@ def unpin(ref: wire.PoolRef) -> Op[wire.PoolStatus]:
 def release(ref: wire.PoolRef) -> Op[wire.PoolReleased]:
     """Remove the pool (children first, else ``HasChildren``). Sessions still holding its
     cells keep them."""
-    resp = yield Call("DELETE", f"/polykv/pools/{ref}", admin=True)
+    resp = yield Call("DELETE", f"/polykv/pools/{refs.pool_ref(ref)}", admin=True)
     return parse(resp, wire.PoolReleased)
 
 
@@ -214,13 +223,13 @@ def release_subtree(ref: wire.PoolRef, missing_ok: bool = True) -> Op[list[int]]
 def set_admission(ref: wire.PoolRef, policy: wire.AdmissionPolicy) -> Op[wire.PoolStatus]:
     """Install the pool's admission policy (a tps floor, advisory or enforced)."""
     body = policy.model_dump(mode="json")
-    resp = yield Call("POST", f"/polykv/pools/{ref}/admission", body, admin=True)
+    resp = yield Call("POST", f"/polykv/pools/{refs.pool_ref(ref)}/admission", body, admin=True)
     return parse(resp, wire.PoolStatus)
 
 
 def clear_admission(ref: wire.PoolRef) -> Op[wire.PoolStatus]:
     """Remove the pool's admission policy."""
-    resp = yield Call("DELETE", f"/polykv/pools/{ref}/admission", admin=True)
+    resp = yield Call("DELETE", f"/polykv/pools/{refs.pool_ref(ref)}/admission", admin=True)
     return parse(resp, wire.PoolStatus)
 
 
@@ -234,7 +243,7 @@ def capacity(
         params["expected_tokens"] = expected_tokens
     if session_id is not None:
         params["session_id"] = session_id
-    resp = yield Call("GET", f"/polykv/pools/{ref}/capacity", params=params)
+    resp = yield Call("GET", f"/polykv/pools/{refs.pool_ref(ref)}/capacity", params=params)
     return parse(resp, wire.CapacityReport)
 
 
@@ -249,7 +258,7 @@ def tps() -> Op[wire.TpsSnapshot]:
 
 def session(session_id: str) -> Op[wire.SessionInfo]:
     """Where a session lives on this engine (``SessionNotFound`` when it holds none)."""
-    resp = yield Call("GET", f"/polykv/sessions/{quote(session_id, safe='')}")
+    resp = yield Call("GET", f"/polykv/sessions/{refs.session_id(session_id)}")
     return parse(resp, wire.SessionInfo)
 
 

@@ -32,6 +32,7 @@ def engine(test_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             API_KEY,
             "--polykv-admin-key",
             ADMIN_KEY,
+            "--metrics",  # the engine's own request counts show what reached it
         ),
         log_path=tmp_path_factory.mktemp("client-engine") / "engine.log",
     )

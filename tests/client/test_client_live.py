@@ -18,6 +18,7 @@ from polykv_client import (
     AuthError,
     EngineUnavailable,
     HasChildren,
+    InvalidReference,
     InvalidRequest,
     NameConflict,
     PolyKVClient,
@@ -121,6 +122,66 @@ def test_keys(engine: EngineProcess, admin: PolyKVClient) -> None:
     with PolyKVClient(engine.base_url) as nobody, pytest.raises(AuthError) as info:
         nobody.list_pools()
     assert info.value.reason == "unauthorized"
+
+
+EVIL = "../../slots/0?action=erase#"
+
+
+def _slot_route_calls(engine: EngineProcess) -> float:
+    text = httpx.get(engine.base_url + "/metrics", timeout=30).text
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("polykv_http_requests_total{") and 'route="/slots/{slot}"' in line
+    )
+
+
+def _slot0_used(engine: EngineProcess) -> int:
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    slots = httpx.get(engine.base_url + "/slots", headers=auth, timeout=30).json()
+    return int(next(s for s in slots if s["id"] == 0)["ctx_used"])
+
+
+def test_a_pool_name_cannot_steer_the_admin_key_to_another_route(
+    engine: EngineProcess, admin: PolyKVClient
+) -> None:
+    """A name built to resolve to ``POST /slots/0?action=erase`` is refused by the client;
+    the engine never sees that route and slot 0 keeps its cache."""
+    r = httpx.post(
+        engine.base_url + "/completion",
+        json={"prompt": TEXT, "n_predict": 2, "id_slot": 0, "temperature": 0},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    used = _slot0_used(engine)
+    assert used > 0
+    calls = _slot_route_calls(engine)
+    mutations = [
+        lambda: admin.pin(EVIL),
+        lambda: admin.pool_action(EVIL, "evict"),
+        lambda: admin.release(EVIL),
+        lambda: admin.release_subtree(EVIL),
+        lambda: admin.fork_pool(EVIL, prompt=TEXT),
+        lambda: admin.create_pool(prompt=TEXT, name=EVIL),
+        lambda: admin.set_admission(EVIL, wire.AdmissionPolicy(target_tps_per_session=1.0)),
+        lambda: admin.clear_admission(EVIL),
+        lambda: admin.get_pool(EVIL),
+        lambda: admin.capacity(EVIL),
+        lambda: admin.session(".."),
+    ]
+    for call in mutations:
+        with pytest.raises(InvalidReference):
+            call()
+    assert _slot_route_calls(engine) == calls  # the engine saw no /slots request
+    assert _slot0_used(engine) == used
+    assert admin.list_pools().pools == []
+    # The observation can fail: the erase itself, sent on purpose, shows in both.
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    r = httpx.post(engine.base_url + "/slots/0?action=erase", headers=auth, timeout=30)
+    assert r.status_code == 200, r.text
+    assert _slot_route_calls(engine) == calls + 1
+    assert _slot0_used(engine) == 0
 
 
 def test_no_engine_is_unavailable() -> None:

@@ -19,7 +19,7 @@ ALLOWED = {
 }  # fmt: skip
 WHERE = {"polykv_client": ROOT / "engine_image", "polykv_langgraph": ROOT / "integrations"}
 STDLIB = {"__future__", "collections", "contextlib", "dataclasses", "functools", "json",
-          "math", "typing", "urllib", "uuid"}  # fmt: skip
+          "math", "re", "typing", "urllib", "uuid"}  # fmt: skip
 
 
 def imported(path: Path) -> set[str]:
