@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, create_model
 
 from polykv_api import models as wire
 from polykv_client import PolyKVClient, PolyKVError
+from polykv_client.refs import pool_name, pool_ref
 
 Message = dict[str, Any]
 
@@ -172,11 +173,16 @@ def pool_tools(
         ),
     )
 
+    # A model chooses these names: each is checked with the engine's own rule (polykv_client
+    # refs) before anything is sent; a bad one is a tool error (name_invalid), not a call.
     def create(name: str, instructions: str) -> dict[str, Any]:
+        pool_name(name)
         made = tree.root(name, [{"role": "system", "content": instructions}])
         return {"created": name, "pool_id": made.pool_id, "prefix_len": made.prefix_len}
 
     def fork(parent: str, name: str, instructions: str) -> dict[str, Any]:
+        pool_ref(parent)
+        pool_name(name)
         made = tree.fork(parent, name, [{"role": "system", "content": instructions}])
         return {
             "created": name,
@@ -187,6 +193,7 @@ def pool_tools(
         }
 
     def status(pool: str) -> dict[str, Any]:
+        pool_ref(pool)
         p = client.get_pool(pool)
         return {
             "pool": p.name or p.pool_id,
@@ -209,6 +216,7 @@ def pool_tools(
         }
 
     def cap(pool: str, expected_tokens: int | None = None) -> dict[str, Any]:
+        pool_ref(pool)
         c = client.capacity(pool, expected_tokens)
         return {
             "can_admit": c.can_admit,

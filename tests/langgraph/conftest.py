@@ -33,7 +33,7 @@ def start_smol(
 @pytest.fixture(scope="session")
 def smol(start_smol: Callable[..., EngineProcess]) -> EngineProcess:
     """SmolLM2 with 4 slots and an 8k unified cache (the engine's documented setup)."""
-    return start_smol("-np", "4", "-c", "8192")
+    return start_smol("-np", "4", "-c", "8192", "--metrics")  # tests count what it received
 
 
 def clean(c: PolyKVClient) -> None:

@@ -3,9 +3,11 @@ thread to a new pool and leaves nothing behind (SmolLM2-135M-Instruct, real engi
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.utils.function_calling import convert_to_openai_tool
@@ -87,6 +89,34 @@ def test_pool_tool_arguments_are_bounded_for_the_grammar(pools: PolyKVClient) ->
     with pytest.raises(ValidationError, match="at most 120"):
         by_name["create_pool"].invoke({"name": "ok", "instructions": "x" * 121})
     assert pools.list_pools().pools == []  # nothing was made
+
+
+def test_a_model_chosen_pool_name_is_a_tool_error_not_a_request(
+    smol: EngineProcess, pools: PolyKVClient
+) -> None:
+    """Unrestricted pool arguments (no ``pools`` list) are checked with the engine's rule
+    before any call: a name that would resolve to another route is a tool error."""
+    evil = "../../slots/0?action=erase#"
+    by_name = {t.name: t for t in pool_tools(PoolTree(pools))}
+    before = httpx.get(smol.base_url + "/metrics", timeout=30).text
+    calls = {
+        "pool_status": {"pool": evil},
+        "capacity": {"pool": evil},
+        "fork_pool": {"parent": evil, "name": "child", "instructions": "x"},
+    }
+    for tool, args in calls.items():
+        out = json.loads(by_name[tool].invoke(args))
+        assert out["error"] == "name_invalid", (tool, out)
+    after = httpx.get(smol.base_url + "/metrics", timeout=30).text
+
+    def engine_seen(text: str) -> float:
+        return sum(
+            float(ln.rpartition(" ")[2])
+            for ln in text.splitlines()
+            if ln.startswith("polykv_http_requests_total{") and 'route="/metrics"' not in ln
+        )
+
+    assert engine_seen(after) == engine_seen(before)  # not one request reached the engine
 
 
 @pytest.fixture(scope="module")
