@@ -711,7 +711,10 @@ class Engine:
                 return
             busy = sum(1 for s in self.slots.slots if s.batch_tokens)
             self._bump(
-                decode_calls=1, decode_seconds=time.perf_counter() - td, busy_slot_steps=busy
+                decode_calls=1,
+                decode_seconds=time.perf_counter() - td,
+                busy_slot_steps=busy,
+                slot_decode_calls=1 if busy else 0,
             )
             if rc == 0:
                 break

@@ -120,6 +120,7 @@ class Counters:
     kv_full_events: int = 0
     context_shifts: int = 0
     busy_slot_steps: int = 0  # Σ over decode calls of the slots in the batch
+    slot_decode_calls: int = 0  # decode calls carrying a slot (not pool builds alone)
     auto_shared_tokens: int = 0  # prompt tokens shared from another sequence (no pool)
     kv_parked_tokens: int = 0  # idle caches' cells moved to host memory
     kv_unparked_tokens: int = 0  # parked cells put back for their session's next turn

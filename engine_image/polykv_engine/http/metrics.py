@@ -138,7 +138,9 @@ def llama_server_series(snap: EngineSnapshot) -> Iterator[Metric]:
         (
             "n_busy_slots_per_decode",
             "Average number of busy slots per llama_decode() call",
-            c.busy_slot_steps / max(c.decode_calls, 1),
+            # llama-server has no pool builds: a step that only built pools is not a
+            # decode of its slots, so it would pull the average below one
+            c.busy_slot_steps / max(c.slot_decode_calls, 1),
         ),
     ):
         yield GaugeMetricFamily(f"llamacpp:{name}", doc, value=value)
