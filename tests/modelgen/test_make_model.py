@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from polykv_engine.llama.runtime import init_backend
 from polykv_modelgen import cli as mm
 from polykv_modelgen import vocab as mv
 
@@ -99,7 +100,7 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(model_path: Path) -> Iterator[Loaded]:
-    L.llama_backend_init()
+    init_backend()  # the wheel's per-CPU ggml modules: nothing else may have loaded them yet
     model = L.llama_model_load_from_file(str(model_path).encode(), L.llama_model_default_params())
     assert model, "llama.cpp failed to load the generated model"
     try:
