@@ -89,7 +89,7 @@ class RouterApp:
             skip_auto_headers=NO_AUTO_HEADERS,
         )
         self._clients.append(upstream)
-        engines = Engines(upstream, cfg.engine_api_key, cfg.lookup_timeout_s)
+        engines = Engines(upstream, cfg.engine_api_key, cfg.lookup_timeout_s, cfg.router_key)
         poller = CapacityPoller(
             self.fleet,
             engines,

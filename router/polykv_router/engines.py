@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from polykv_api import models as wire
 
 from .errors import engine_reason
+from .names import ROUTER_KEY_HEADER
 from .picker import PoolCapacity
 from .pods import Pod
 
@@ -34,9 +35,19 @@ class EngineError(Exception):
 
 
 class Engines:
-    def __init__(self, http: aiohttp.ClientSession, api_key: str | None, timeout_s: float) -> None:
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        api_key: str | None,
+        timeout_s: float,
+        router_key: str | None = None,
+    ) -> None:
         self.http = http
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if router_key:
+            # Session lookups place every tenant's continuations: the engine shows a session
+            # of another tenant than the lookup key's only to the router (or the admin).
+            self.headers[ROUTER_KEY_HEADER] = router_key
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def _get(
