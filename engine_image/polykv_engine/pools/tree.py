@@ -57,7 +57,7 @@ def chained_hashes(tokens: Sequence[int], prefix: array | None = None) -> array:
 
 
 def validate_name(name: str) -> None:
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):  # fullmatch: "$" alone lets a trailing "\n" through
         raise PoolError(
             400,
             "name_invalid",

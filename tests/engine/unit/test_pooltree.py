@@ -54,6 +54,10 @@ def test_names_resolve_like_ids_and_are_idempotent() -> None:
     with pytest.raises(PoolError, match="not all digits") as e:
         t.existing_for("123", [1], None)
     assert e.value.reason == "name_invalid"
+    for bad in ("crew\n", "\ncrew", "crew\r", ""):  # a trailing newline slips past "$"
+        with pytest.raises(PoolError, match="is invalid") as e:
+            t.existing_for(bad, [1], None)
+        assert (e.value.status, e.value.reason) == (400, "name_invalid")
     with pytest.raises(PoolError) as e:
         t.resolve("missing")
     assert (e.value.status, e.value.reason) == (404, "pool_not_found")
