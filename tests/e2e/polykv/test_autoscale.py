@@ -12,6 +12,7 @@ Engines run the generated test model; load is real turns on real engine processe
 
 from __future__ import annotations
 
+import base64
 import json
 import statistics
 import threading
@@ -26,6 +27,7 @@ import httpx
 import pytest
 
 from polykv_operator.autoscale.apiservice import desired
+from polykv_operator.manifests import API_SECRET_KEY, api_key_secret_name
 from polykv_testenv import ApiError, ControlPlane, ProcessNode, pki
 from polykv_testenv.waiting import free_port
 
@@ -253,6 +255,7 @@ class Turns:
     ip: str
     session: str
     pool: str | None
+    key: str  # the engine's inference key (the operator generates one per engine)
     n_predict: int = 160
     read_pause_s: float = 0.0  # a slow reader: each turn's stream stays open for longer
     turns: list[Turn] = field(default_factory=list)
@@ -286,7 +289,7 @@ class Turns:
                      "temperature": 0, "stream": True}  # fmt: skip
         if self.pool:
             body["pool_id"] = self.pool
-        headers = {"x-session-id": self.session}
+        headers = {"x-session-id": self.session, "Authorization": f"Bearer {self.key}"}
         t0, n, final, answered = time.time(), 0, None, False
         try:
             with httpx.stream("POST", f"http://{self.ip}:8080/completion", json=body,
@@ -348,6 +351,17 @@ class DrainWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10)
+
+
+def inference_key(cluster: ControlPlane, namespace: str, engine: str = "eng") -> str:
+    """The inference key the operator generated for ``engine`` (agents' key, not the admin's)."""
+    name = api_key_secret_name(engine)
+    secret = eventually(
+        "the engine's API key Secret",
+        lambda: get_or_none(cluster.api, f"/api/v1/namespaces/{namespace}/secrets/{name}"),
+        60,
+    )
+    return base64.b64decode(secret["data"][API_SECRET_KEY]).decode()
 
 
 def measured_tps(eng: EngineApi, ip: str) -> float:
@@ -440,9 +454,10 @@ def test_floor_pressure_scales_up_and_scale_down_removes_the_emptiest_replica_wh
     eventually("engine Ready", lambda: ready(k8s_cluster, ns), 120)
     (a,) = replicas(k8s_cluster, ns)
     eng = EngineApi(k8s_cluster, ns)
+    key = inference_key(k8s_cluster, ns)
     apply(k8s_cluster, ns, hpa_manifest())
     watch = PodWatch(k8s_cluster, ns)
-    load = [Turns(a.ip, f"agent-{i}", "crew").start() for i in range(3)]
+    load = [Turns(a.ip, f"agent-{i}", "crew", key).start() for i in range(3)]
     t_load = time.time()
     try:
         high = until(
@@ -483,7 +498,8 @@ def test_floor_pressure_scales_up_and_scale_down_removes_the_emptiest_replica_wh
     # turns (or in the last few ms of one, which the 20 ms drain watch cannot tell apart), but
     # hardly in both sessions' at once.
     drains = [
-        Turns(b.ip, f"drain-check-{i}", None, n_predict=1200, read_pause_s=0.002) for i in range(2)
+        Turns(b.ip, f"drain-check-{i}", None, key, n_predict=1200, read_pause_s=0.002)
+        for i in range(2)
     ]
     drain_watch = DrainWatch(b.ip).start()
     try:
@@ -545,7 +561,8 @@ def test_refused_sessions_scale_up_while_floor_pressure_stays_at_most_one(
     eventually("engine Ready", lambda: ready(k8s_cluster, ns), 120)
     (a,) = replicas(k8s_cluster, ns)
     eng = EngineApi(k8s_cluster, ns)
-    steady = Turns(a.ip, "steady", "crew", n_predict=1900).start()
+    key = inference_key(k8s_cluster, ns)
+    steady = Turns(a.ip, "steady", "crew", key, n_predict=1900).start()
     pressures: list[float] = []
     ratios: list[float] = []
     statuses: list[int] = []
@@ -585,7 +602,10 @@ def test_refused_sessions_scale_up_while_floor_pressure_stays_at_most_one(
                 r = httpx.post(
                     f"http://{a.ip}:8080/completion",
                     json={"prompt": CREW + " Join.", "pool_id": "crew", "n_predict": 4},
-                    headers={"x-session-id": f"newcomer-{next(knocks)}"},
+                    headers={
+                        "x-session-id": f"newcomer-{next(knocks)}",
+                        "Authorization": f"Bearer {key}",
+                    },
                     timeout=120,
                 )
                 statuses.append(r.status_code)

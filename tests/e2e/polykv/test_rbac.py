@@ -30,6 +30,7 @@ pytestmark = pytest.mark.k8s
 ROOT = Path(__file__).resolve().parents[3]
 OURS = {"app.kubernetes.io/managed-by": "polykv-operator", "polykv.io/engine": "eng"}
 COST = "controller.kubernetes.io/pod-deletion-cost"
+EXTERNAL_METRICS = "v1beta1.external.metrics.k8s.io"
 
 
 class As:
@@ -61,21 +62,31 @@ def operator_api(k8s_cluster: ControlPlane, operator_kubeconfig: Path) -> Iterat
     client.http.close()
 
 
-def can_i_list(cluster: ControlPlane, kubeconfig: Path, namespace: str) -> dict[str, set[str]]:
-    """`kubectl auth can-i --list` as the kubeconfig's user: resource -> verbs."""
+def can_i_list(
+    cluster: ControlPlane, kubeconfig: Path, namespace: str
+) -> tuple[dict[str, set[str]], dict[str, dict[str, set[str]]]]:
+    """`kubectl auth can-i --list` as the kubeconfig's user: resource -> verbs for rules on
+    every object of a kind, and resource -> {name: verbs} for rules scoped by resourceNames."""
     out = cluster.kubectl(
         "--kubeconfig", str(kubeconfig), "auth", "can-i", "--list", "-n", namespace
     ).stdout
     table: dict[str, set[str]] = {}
+    named: dict[str, dict[str, set[str]]] = {}
     for line in out.splitlines()[1:]:
         cols = line.split()
         # Non-resource URL lines (discovery's [/api/*] get) start with their "[...]" column.
         if not cols or cols[0].startswith("[") or not cols[-1].endswith("]"):
             continue
         resource = cols[0]
-        verbs = line[line.rindex("[") + 1 : line.rindex("]")].split()
-        table.setdefault(resource, set()).update(verbs)
-    return table
+        # Columns: resource, [non-resource URLs], [resource names], [verbs].
+        groups = [g.strip().strip("[]").split() for g in line[len(resource) :].split("]")[:-1]]
+        names, verbs = (groups[-2], groups[-1]) if len(groups) >= 2 else ([], groups[-1])
+        if names:
+            for name in names:
+                named.setdefault(resource, {}).setdefault(name, set()).update(verbs)
+        else:
+            table.setdefault(resource, set()).update(verbs)
+    return table, named
 
 
 def secret(name: str, labels: dict[str, str] | None = None, **extra: Any) -> Obj:
@@ -120,13 +131,20 @@ def test_the_operators_token_cannot_mint_tokens_read_secrets_or_swap_images(
         ),
         60,
     )
-    table = can_i_list(k8s_cluster, operator_kubeconfig, namespace)
+    table, named = can_i_list(k8s_cluster, operator_kubeconfig, namespace)
     print("can-i --list:", json.dumps({k: sorted(v) for k, v in sorted(table.items())}))
+    print(
+        "by name:", json.dumps({k: {n: sorted(v) for n, v in d.items()} for k, d in named.items()})
+    )
     assert table["secrets"] == {"create", "patch"}  # never get, list or watch
     assert "*" not in table and "*.*" not in table
     assert not any("*" in verbs or "get" in verbs for verbs in table.values()), table
     assert "roles.rbac.authorization.k8s.io" not in table
     assert "pods/exec" not in table
+    # The one read by name: the APIService the operator serves behind, and only when the
+    # opt-in external metrics API's rules (external-metrics-rbac.yaml) are applied, as the
+    # autoscaling tests on this cluster do.
+    assert named in ({}, {"apiservices.apiregistration.k8s.io": {EXTERNAL_METRICS: {"get"}}})
 
     # Another team's Secret: not readable, and a patch (which answers with the object) is
     # refused before it returns anything, even under an engine's Secret name.
