@@ -296,25 +296,48 @@ def big_tokenize_body(size: int) -> bytes:
     return json.dumps({"content": text}).encode()
 
 
-def test_health_answers_while_a_30_mib_tokenize_runs(hostile: EngineProcess) -> None:
-    """It held the event loop ~35 s (tokenizing on the loop): probes then kill the pod."""
-    idle = [health(hostile) for _ in range(3)]
-    req = RawRequest(hostile, "/tokenize", big_tokenize_body(30 * 1024 * 1024), "application/json")
+def health_while_in_flight(eng: EngineProcess, req: RawRequest) -> list[float]:
+    """Send all of ``req``, then /health until three answers came while ``req`` had none."""
     sender = threading.Thread(target=req.send, args=(req.head + req.body,))
     sender.start()
     sender.join()  # the body is in the server's hands (all but the socket buffers)
     answered_during: list[float] = []
     while not req.answered():
-        latency = health(hostile)
-        if not req.answered():  # answered while the tokenize was still running
+        latency = health(eng)
+        if not req.answered():  # answered while the request's work was still running
             answered_during.append(latency)
         if len(answered_during) >= 3:
             break
+    return answered_during
+
+
+def test_health_answers_while_a_30_mib_tokenize_runs(hostile: EngineProcess) -> None:
+    """It held the event loop ~35 s (tokenizing on the loop): probes then kill the pod."""
+    idle = [health(hostile) for _ in range(3)]
+    req = RawRequest(hostile, "/tokenize", big_tokenize_body(30 * 1024 * 1024), "application/json")
+    answered_during = health_while_in_flight(hostile, req)
     print("/health idle:", [f"{s * 1e3:.1f} ms" for s in idle])
     print("/health while tokenizing 30 MiB:", [f"{s * 1e3:.1f} ms" for s in answered_during])
     assert len(answered_during) >= 3
     status, body = req.response()
     assert status == 200 and len(json.loads(body)["tokens"]) > 1_000_000
+
+
+def test_health_answers_while_a_30_mib_pool_prefix_is_tokenized(
+    hostile: EngineProcess, canary: Canary
+) -> None:
+    """A pool's prefix was tokenized on the event loop too: the same stall from
+    POST /polykv/pools. Past the context once tokenized, so refused, naming the bound."""
+    text = json.loads(big_tokenize_body(30 * 1024 * 1024))["content"]
+    body = json.dumps({"prompt": text, "name": "huge"}).encode()
+    req = RawRequest(hostile, "/polykv/pools", body, "application/json")
+    answered_during = health_while_in_flight(hostile, req)
+    print("/health while a pool prefix tokenizes:", [f"{s * 1e3:.1f} ms" for s in answered_during])
+    assert len(answered_during) >= 3
+    status, answer = req.response()
+    assert status == 400, answer[:300]
+    assert hostile.proc is not None and hostile.proc.poll() is None
+    pool_intact(hostile, canary)
 
 
 def test_long_stop_strings_are_refused_and_the_longest_allowed_are_cheap(

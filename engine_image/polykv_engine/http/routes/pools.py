@@ -31,7 +31,8 @@ from polykv_engine.core import pool_ops
 from polykv_engine.core.engine import Engine
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.auth import identity_of, require_admin
-from polykv_engine.http.errors import ApiError, parse
+from polykv_engine.http.errors import BODY_BYTES, ApiError, parse
+from polykv_engine.http.offload import offload
 from polykv_engine.ids import decimal
 from polykv_engine.pools.manager import PoolSpec
 from polykv_engine.pools.tree import Pool, PoolError, validate_name
@@ -122,8 +123,11 @@ async def _create(request: web.Request, req: PoolPrefix, parent: PoolRef | None)
             validate_name(req.name)
         except PoolError as exc:
             raise _api_error(exc) from exc
+    # A 30k-token prefix's template and tokenizing take tens of ms, seconds for a large body:
+    # off the event loop, like an inference request's prompt.
+    tokens = await offload(request, int(request.get(BODY_BYTES, 0)), _prefix_tokens, ctx, req)
     spec = PoolSpec(
-        tokens=_prefix_tokens(ctx, req),
+        tokens=tokens,
         from_session=req.from_session,
         name=req.name,
         pin=req.pin,
