@@ -93,6 +93,13 @@ def validation_message(exc: ValidationError) -> str:
 # size, known once the model has loaded (http.app sets it).
 BODY_LIMIT: web.AppKey[Callable[[], int]] = web.AppKey("polykv_body_limit")
 BODY_BYTES = "polykv.body_bytes"  # request key: how many bytes the body had (offload sizes)
+
+
+def body_bytes(request: web.Request) -> int:
+    """The body's size: what decides whether its preparation leaves the event loop."""
+    return int(request.get(BODY_BYTES, 0))
+
+
 READ_CHUNK = 1 << 16
 
 

@@ -79,8 +79,9 @@ def can_i_list(
             continue
         resource = cols[0]
         # Columns: resource, [non-resource URLs], [resource names], [verbs].
-        groups = [g.strip().strip("[]").split() for g in line[len(resource) :].split("]")[:-1]]
-        names, verbs = (groups[-2], groups[-1]) if len(groups) >= 2 else ([], groups[-1])
+        _, names, verbs = (
+            g.strip().strip("[]").split() for g in line[len(resource) :].split("]")[:-1]
+        )
         if names:
             for name in names:
                 named.setdefault(resource, {}).setdefault(name, set()).update(verbs)

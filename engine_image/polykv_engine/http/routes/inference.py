@@ -42,7 +42,7 @@ from polykv_engine.core.tasks import (
 )
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.auth import identity_of
-from polykv_engine.http.errors import BODY_BYTES, ApiError, parse
+from polykv_engine.http.errors import ApiError, body_bytes, parse
 from polykv_engine.http.mailbox import mailbox
 from polykv_engine.http.offload import offload
 from polykv_engine.http.responses import Logprobs, ResponseBuilder
@@ -147,11 +147,6 @@ def _schema_grammar(schema: dict[str, Any], field: str) -> Grammar:
         return Grammar(grammar_from_schema(schema))
     except GrammarError as exc:
         raise ApiError(400, f"{field}: {exc}", reason=exc.reason) from exc
-
-
-def _body_bytes(request: web.Request) -> int:
-    """The body's size: what decides whether its preparation leaves the event loop."""
-    return int(request.get(BODY_BYTES, 0))
 
 
 def _task_from(
@@ -399,7 +394,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
         field = "grammar" if req.grammar is not None else "json_schema"
         return _checked(ctx, grammar, field), ctx.tokenize_prompt(req.prompt)
 
-    grammar, prompt = await offload(request, _body_bytes(request), prepare)
+    grammar, prompt = await offload(request, body_bytes(request), prepare)
     sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     task = _task_from(
         req,
@@ -419,7 +414,7 @@ async def oai_completion(request: web.Request) -> web.StreamResponse:
     ctx = ctx_of(request)
     req = await parse(request, OAICompletionRequest)
     _repeat_last_n(ctx, req)
-    prompt = await offload(request, _body_bytes(request), ctx.tokenize_prompt, req.prompt)
+    prompt = await offload(request, body_bytes(request), ctx.tokenize_prompt, req.prompt)
     sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     n_predict = -1 if req.max_tokens is None else req.max_tokens
     task = _task_from(req, prompt, n_predict, request, sink, logprobs=req.logprobs)
@@ -462,7 +457,7 @@ async def oai_chat(request: web.Request) -> web.StreamResponse:
         preserved = ctx.special_tokens(plan.markers) if plan is not None else frozenset()
         return plan, grammar, prompt, preserved
 
-    plan, grammar, prompt, preserved = await offload(request, _body_bytes(request), prepare)
+    plan, grammar, prompt, preserved = await offload(request, body_bytes(request), prepare)
     sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     task = _task_from(
@@ -488,7 +483,7 @@ async def apply_template(request: web.Request) -> web.Response:
     req = await parse(request, ApplyTemplateRequest)
     text = await offload(
         request,
-        _body_bytes(request),
+        body_bytes(request),
         ctx.render_messages,
         req.messages,
         req.tools,
@@ -522,7 +517,7 @@ async def tokenize(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     req = await parse(request, TokenizeRequest)
     ctx.require_ready()
-    text = await offload(request, _body_bytes(request), _tokenized, ctx, req)
+    text = await offload(request, body_bytes(request), _tokenized, ctx, req)
     return web.Response(text=text, content_type="application/json")
 
 
@@ -535,7 +530,7 @@ async def detokenize(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     req = await parse(request, DetokenizeRequest)
     ctx.require_ready()
-    text = await offload(request, _body_bytes(request), _detokenized, ctx, req)
+    text = await offload(request, body_bytes(request), _detokenized, ctx, req)
     return web.Response(text=text, content_type="application/json")
 
 

@@ -31,7 +31,7 @@ from polykv_engine.core import pool_ops
 from polykv_engine.core.engine import Engine
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.auth import identity_of, require_admin
-from polykv_engine.http.errors import BODY_BYTES, ApiError, parse
+from polykv_engine.http.errors import ApiError, body_bytes, parse
 from polykv_engine.http.offload import offload
 from polykv_engine.ids import decimal
 from polykv_engine.pools.manager import PoolSpec
@@ -125,7 +125,7 @@ async def _create(request: web.Request, req: PoolPrefix, parent: PoolRef | None)
             raise _api_error(exc) from exc
     # A 30k-token prefix's template and tokenizing take tens of ms, seconds for a large body:
     # off the event loop, like an inference request's prompt.
-    tokens = await offload(request, int(request.get(BODY_BYTES, 0)), _prefix_tokens, ctx, req)
+    tokens = await offload(request, body_bytes(request), _prefix_tokens, ctx, req)
     spec = PoolSpec(
         tokens=tokens,
         from_session=req.from_session,
