@@ -36,6 +36,25 @@ def bench_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _model("bench", tmp_path_factory)
 
 
+@pytest.fixture(scope="session")
+def swa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3's architecture, tiny: a 32-token sliding window in layer 0, full attention in
+    layer 1 (llama.cpp's iSWA cache)."""
+    return _model("test-swa", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def mamba_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mamba, tiny: pure recurrent, no KV cache."""
+    return _model("test-mamba", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def jamba_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Jamba, tiny: hybrid, Mamba layers with attention every other layer."""
+    return _model("test-jamba", tmp_path_factory)
+
+
 def real_model_path(name: str) -> Path:
     """A real GGUF from scripts/real_models.py (fetched on first use when `make models` has
     not run, so `pytest` alone also works)."""

@@ -349,3 +349,57 @@ def test_bad_arguments_exit_2_without_traceback(
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("preset", "arch", "recurrent", "hybrid", "window"),
+    [
+        ("test-swa", "gemma3", False, False, 32),
+        ("test-mamba", "mamba", True, False, 0),
+        ("test-jamba", "jamba", False, True, 0),
+    ],
+)
+def test_other_architectures_load_and_decode(
+    tmp_path: Path, preset: str, arch: str, recurrent: bool, hybrid: bool, window: int
+) -> None:
+    # The architectures pools must handle besides plain attention: llama.cpp recognizes
+    # each as what it is, and each decodes greedy text that is varied and repeatable.
+    path = tmp_path / f"{preset}.gguf"
+    _generate(path, "--preset", preset)
+    init_backend()
+    model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
+    assert model, f"llama.cpp failed to load the generated {arch} model"
+    try:
+        other = Loaded(path, model, L.llama_model_get_vocab(model))
+        assert other.meta("general.architecture") == arch
+        assert bool(L.llama_model_is_recurrent(model)) == recurrent
+        assert bool(L.llama_model_is_hybrid(model)) == hybrid
+        assert L.llama_model_n_swa(model) == window
+        first = _greedy(other, "Once upon a time", 40)
+        assert _greedy(other, "Once upon a time", 40) == first
+        assert len(set(first)) >= 12, first
+        assert not set(first) & set(mv.quiet_token_ids())
+    finally:
+        L.llama_model_free(model)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--preset", "test-swa", "--window", "0"], "--window must be in [1, --ctx 8192)"),
+        (["--preset", "test-swa", "--swa-pattern", "1"], "--swa-pattern must be >= 2"),
+        (["--preset", "test-jamba", "--attn-every", "9"], "--attn-every must be in [2, --layers"),
+        (["--preset", "test-mamba", "--ssm-conv", "1"], "--ssm-conv >= 2"),
+        (["--arch", "rwkv"], "invalid choice: 'rwkv'"),
+    ],
+)
+def test_bad_architecture_arguments_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    out = tmp_path / "bad.gguf"
+    proc = subprocess.run(
+        [sys.executable, "-m", "polykv_modelgen.cli", *args, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not out.exists()

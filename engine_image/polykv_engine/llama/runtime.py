@@ -228,11 +228,11 @@ class RuntimeConfig:
     swa_full: bool = False  # full-size sliding-window cache (llama-server's --swa-full)
 
 
-# KV cache element types: ggml type id and bytes per element (q8_0: 34-byte blocks of 32).
-CACHE_TYPES: dict[str, tuple[int, float]] = {
-    "f32": (int(C.GGML_TYPE_F32), 4.0),
-    "f16": (int(C.GGML_TYPE_F16), 2.0),
-    "q8_0": (int(C.GGML_TYPE_Q8_0), 34 / 32),
+# KV cache element types and their ggml type ids.
+CACHE_TYPES: dict[str, int] = {
+    "f32": int(C.GGML_TYPE_F32),
+    "f16": int(C.GGML_TYPE_F16),
+    "q8_0": int(C.GGML_TYPE_Q8_0),
 }
 
 
@@ -256,43 +256,49 @@ class ModelInfo:
     eos: int
     add_bos: bool
 
-    def kv_bytes_per_token(self, cache_type_k: str = "f16", cache_type_v: str = "f16") -> int:
-        """Bytes one token occupies in the K and V caches, all layers."""
-        per_layer = (self.n_embd // self.n_head) * self.n_head_kv
-        k = CACHE_TYPES[cache_type_k][1]
-        v = CACHE_TYPES[cache_type_v][1]
-        return round(self.n_layer * per_layer * (k + v))
-
 
 class Batch:
-    """A reusable ``llama_batch`` with one sequence id per token."""
+    """A reusable ``llama_batch``: each token belongs to one sequence, or to two (a pool's
+    cells that its guard sequence holds as well, see ``kv.cache``)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._raw = C.llama_batch_init(capacity, 0, 1)
+        self._raw = C.llama_batch_init(capacity, 0, 2)
         self.n = 0
 
     def clear(self) -> None:
         self.n = 0
 
-    def add(self, token: int, pos: int, seq_id: int, logits: bool) -> int:
-        """Append a token; returns its index (the ``idx`` for sampling when logits=True)."""
+    def add(self, token: int, pos: int, seq_id: int, logits: bool, also: int | None = None) -> int:
+        """Append a token (of ``seq_id``, and of ``also`` when given); returns its index
+        (the ``idx`` for sampling when logits=True)."""
         i = self.n
         if i >= self.capacity:
             raise LlamaError(f"batch overflow: capacity {self.capacity}")
         raw = self._raw
         raw.token[i] = token
         raw.pos[i] = pos
-        raw.n_seq_id[i] = 1
         raw.seq_id[i][0] = seq_id
+        if also is None:
+            raw.n_seq_id[i] = 1
+        else:
+            raw.n_seq_id[i] = 2
+            raw.seq_id[i][1] = also
         raw.logits[i] = 1 if logits else 0
         self.n = i + 1
         return i
 
-    def add_span(self, tokens: Sequence[int], pos0: int, seq_id: int, logits_last: bool) -> int:
+    def add_span(
+        self,
+        tokens: Sequence[int],
+        pos0: int,
+        seq_id: int,
+        logits_last: bool,
+        also: int | None = None,
+    ) -> int:
         """Append consecutive tokens of one sequence; returns the last token's index."""
         for k, tok in enumerate(tokens):
-            self.add(tok, pos0 + k, seq_id, logits_last and k == len(tokens) - 1)
+            self.add(tok, pos0 + k, seq_id, logits_last and k == len(tokens) - 1, also)
         return self.n - 1
 
     def free(self) -> None:
@@ -413,8 +419,8 @@ class LlamaRuntime:
         cparams.kv_unified = cfg.kv_unified
         cparams.swa_full = cfg.swa_full
         cparams.flash_attn_type = self._flash_attn_type(cfg)
-        cparams.type_k = CACHE_TYPES[cfg.cache_type_k][0]
-        cparams.type_v = CACHE_TYPES[cfg.cache_type_v][0]
+        cparams.type_k = CACHE_TYPES[cfg.cache_type_k]
+        cparams.type_v = CACHE_TYPES[cfg.cache_type_v]
         if cfg.kv_debug:
             os.environ["LLAMA_KV_CACHE_DEBUG"] = "1"  # read when the KV cache is built
         ctx = C.llama_init_from_model(model, cparams)
@@ -428,7 +434,8 @@ class LlamaRuntime:
         self.n_batch = int(C.llama_n_batch(ctx))
         self.n_seq_max = int(C.llama_n_seq_max(ctx))
         self.n_ctx_seq = int(C.llama_n_ctx_seq(ctx))
-        self.kv_bytes_per_token = self.info.kv_bytes_per_token(cfg.cache_type_k, cfg.cache_type_v)
+        self.can_shift = bool(C.llama_memory_can_shift(self._mem))
+        self.kv_bytes_per_token, self.state_bytes = self._measure_memory()
 
     @staticmethod
     def _flash_attn_type(cfg: RuntimeConfig) -> int:
@@ -467,6 +474,34 @@ class LlamaRuntime:
             eos=int(C.llama_vocab_eos(self._vocab)),
             add_bos=bool(C.llama_vocab_get_add_bos(self._vocab)),
         )
+
+    def _measure_memory(self) -> tuple[int, int]:
+        """(bytes one token takes in the attention caches, bytes of one sequence's recurrent
+        state), as llama.cpp serializes a sequence: two one-token decodes into the empty
+        cache, removed afterwards. Measured, not derived from the shape: head sizes (Gemma's
+        exceed embd/heads), which layers attend (hybrids), cache types and recurrent state
+        layouts all differ between models."""
+        info = self.info
+        batch = Batch(1)
+        sizes = []
+        try:
+            for pos in range(2):
+                batch.clear()
+                batch.add(max(info.bos, 0), pos, 0, False)
+                if self.decode(batch) != 0:
+                    raise LlamaError("no room in the KV cache for 2 tokens")
+                sizes.append(int(C.llama_state_seq_get_size(self.ctx, 0)))
+            state = 0
+            if info.is_recurrent or info.is_hybrid:
+                partial = C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY  # a hybrid's recurrent part only
+                state = int(C.llama_state_seq_get_size_ext(self.ctx, 0, partial))
+        finally:
+            batch.free()
+            C.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        # Each cell also carries its position, seq count and seq id (12 bytes) per
+        # attention cache: a sliding-window model has two, a recurrent one none.
+        caches = 0 if info.is_recurrent else 1 + (info.n_swa > 0)
+        return max(sizes[1] - sizes[0] - 12 * caches, 0), state
 
     # ------------------------------------------------------------------ vocabulary (any thread)
 
@@ -555,9 +590,14 @@ class LlamaRuntime:
                 raise LlamaError(f"sequence id {s} outside [0, {self.n_seq_max})")
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
-        self._check_seq(seq)
-        if not C.llama_memory_seq_rm(self._mem, seq, p0, p1):
+        if not self.try_seq_rm(seq, p0, p1):
             raise LlamaError(f"seq_rm({seq}, {p0}, {p1}) failed")
+
+    def try_seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove positions [p0, p1) of ``seq``; False (nothing changed) where the memory
+        cannot: a recurrent state cannot be cut back to an earlier position."""
+        self._check_seq(seq)
+        return bool(C.llama_memory_seq_rm(self._mem, seq, p0, p1))
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         self._check_seq(src, dst)
