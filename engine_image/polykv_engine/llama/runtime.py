@@ -435,7 +435,7 @@ class LlamaRuntime:
         self.n_seq_max = int(C.llama_n_seq_max(ctx))
         self.n_ctx_seq = int(C.llama_n_ctx_seq(ctx))
         self.can_shift = bool(C.llama_memory_can_shift(self._mem))
-        self.kv_bytes_per_token, self.state_bytes = self._measure_memory()
+        self.kv_bytes_per_token, self.swa_bytes_per_token, self.state_bytes = self._measure_memory()
 
     @staticmethod
     def _flash_attn_type(cfg: RuntimeConfig) -> int:
@@ -475,13 +475,14 @@ class LlamaRuntime:
             add_bos=bool(C.llama_vocab_get_add_bos(self._vocab)),
         )
 
-    def _measure_memory(self) -> tuple[int, int]:
-        """(bytes one token takes in the attention caches, bytes of one sequence's recurrent
-        state), as llama.cpp serializes a sequence: two one-token decodes into the empty
-        cache, removed afterwards. Measured, not derived from the shape: head sizes (Gemma's
-        exceed embd/heads), which layers attend (hybrids), cache types and recurrent state
-        layouts all differ between models."""
+    def _measure_memory(self) -> tuple[int, int, int]:
+        """(bytes one token takes in the attention caches, of which in the sliding-window
+        layers' cache, bytes of one sequence's recurrent state), as llama.cpp serializes a
+        sequence: two one-token decodes into the empty cache, removed afterwards. Measured,
+        not derived from the shape: head sizes (Gemma's exceed embd/heads), which layers
+        attend (hybrids), cache types and recurrent state layouts all differ by model."""
         info = self.info
+        partial = C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY  # a hybrid's state, an iSWA's window
         batch = Batch(1)
         sizes = []
         try:
@@ -490,18 +491,23 @@ class LlamaRuntime:
                 batch.add(max(info.bos, 0), pos, 0, False)
                 if self.decode(batch) != 0:
                     raise LlamaError("no room in the KV cache for 2 tokens")
-                sizes.append(int(C.llama_state_seq_get_size(self.ctx, 0)))
-            state = 0
-            if info.is_recurrent or info.is_hybrid:
-                partial = C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY  # a hybrid's recurrent part only
-                state = int(C.llama_state_seq_get_size_ext(self.ctx, 0, partial))
+                sizes.append(
+                    (
+                        int(C.llama_state_seq_get_size(self.ctx, 0)),
+                        int(C.llama_state_seq_get_size_ext(self.ctx, 0, partial)),
+                    )
+                )
         finally:
             batch.free()
             C.llama_memory_seq_rm(self._mem, 0, -1, -1)
         # Each cell also carries its position, seq count and seq id (12 bytes) per
         # attention cache: a sliding-window model has two, a recurrent one none.
         caches = 0 if info.is_recurrent else 1 + (info.n_swa > 0)
-        return max(sizes[1] - sizes[0] - 12 * caches, 0), state
+        per_token = max(sizes[1][0] - sizes[0][0] - 12 * caches, 0)
+        if info.is_recurrent or info.is_hybrid:
+            return per_token, 0, sizes[1][1]
+        swa = sizes[1][1] - sizes[0][1] - 12 if info.n_swa > 0 else 0
+        return per_token, swa, 0
 
     # ------------------------------------------------------------------ vocabulary (any thread)
 

@@ -99,8 +99,11 @@ class Pool:
 class PoolTree:
     """All pools of one engine and the sequence ids reserved for them."""
 
-    def __init__(self, seq_ids: range) -> None:
+    def __init__(self, seq_ids: range, extend_only: bool = False) -> None:
         self.seq_ids = seq_ids
+        # Recurrent and hybrid models: a sequence's state exists only at its end, so a child
+        # starts from its parent's whole prefix (D == parent.L) or not at all.
+        self.extend_only = extend_only
         self._free_seqs = list(reversed(seq_ids))
         self.pools: dict[int, Pool] = {}
         self.by_seq: dict[int, Pool] = {}  # resident or materializing pools by sequence id
@@ -230,6 +233,15 @@ class PoolTree:
                 "no_common_prefix",
                 f"the child shares no tokens with parent {parent.label!r}; create a root pool "
                 "instead",
+            )
+        if self.extend_only and d < parent.prefix_len:
+            raise PoolError(
+                409,
+                "recurrent_branch",
+                f"this model keeps a recurrent state, which exists only at the end of parent "
+                f"{parent.label!r} (prefix_len {parent.prefix_len}): a child must extend it "
+                f"(branch_pos {parent.prefix_len}, its tokens starting with the parent's whole "
+                f"prefix), not branch at {d}; create a root pool for a different prefix",
             )
         hashes = chained_hashes(tokens, parent.hashes[:d])
         return Pool(self._peek_id(), name, parent.pool_id, d, list(tokens), hashes)

@@ -58,3 +58,17 @@ def test_two_processes_deriving_one_model_both_get_it(tmp_path: Path, smollm2: P
     target = tmp_path / "smollm2-135m-instruct-q8_0.gguf"
     assert {out.decode().strip() for out, _ in outs} == {str(target)}
     assert target.stat().st_size > 100_000_000
+
+
+def test_list_says_how_each_model_holds_pools(capsys: pytest.CaptureFixture[str]) -> None:
+    from polykv_engine.fetch_model import ALL, main
+
+    assert main(["--list"]) == 0
+    rows = {line.split("\t")[0]: line.split("\t") for line in capsys.readouterr().out.splitlines()}
+    assert set(rows) == set(ALL)
+    assert rows[SMOLLM2][2].startswith("attention: pools share the prefix's cells copy-free")
+    gemma = rows["gemma-3-270m-q4_k_m"][2]
+    assert gemma.startswith("sliding_window: a 512-token sliding window")
+    assert "guard sequence" in gemma and "full-size cache" in gemma
+    # A quantization made here keeps its source's memory.
+    assert rows["smollm2-135m-instruct-q8_0"][2] == rows[SMOLLM2][2]

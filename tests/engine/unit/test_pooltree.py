@@ -42,6 +42,19 @@ def test_contract_violations_raise_409_before_any_change() -> None:
     t.check_invariants()
 
 
+def test_on_a_recurrent_model_children_extend_and_branches_are_refused() -> None:
+    t = PoolTree(range(10, 14), extend_only=True)
+    root = t.add(t.plan_root([1, 2, 3, 4], "root"))
+    ext = t.add(t.plan_fork(root, [1, 2, 3, 4, 5], None, "ext"))
+    assert ext.branch_pos == root.prefix_len
+    for tokens, d in (([1, 2, 7], None), ([1, 2, 3, 4, 5], 2)):  # auto-D short of L, and given
+        with pytest.raises(PoolError, match="must extend it") as e:
+            t.plan_fork(root, tokens, d, None)
+        assert (e.value.status, e.value.reason) == (409, "recurrent_branch")
+    assert len(t.pools) == 2
+    t.check_invariants()
+
+
 def test_names_resolve_like_ids_and_are_idempotent() -> None:
     t = tree()
     root = t.add(t.plan_root([1, 2], "a-root"))

@@ -10,7 +10,14 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from polykv_api.models import CpuBackend, PolykvProps, SessionInfo, SessionTps, TpsSnapshot
+from polykv_api.models import (
+    CpuBackend,
+    KvMemory,
+    PolykvProps,
+    SessionInfo,
+    SessionTps,
+    TpsSnapshot,
+)
 from polykv_engine import __version__
 from polykv_engine.core import pool_ops
 from polykv_engine.core.snapshot import EngineSnapshot
@@ -19,6 +26,7 @@ from polykv_engine.http.auth import identity_of
 from polykv_engine.http.errors import ApiError
 from polykv_engine.http.metrics import PoolGauges
 from polykv_engine.ids import decimal
+from polykv_engine.kv.memory import Memory, window_cache_cells
 
 METRICS_REGISTRY = web.AppKey("metrics_registry", object)
 
@@ -34,6 +42,25 @@ async def health(request: web.Request) -> web.Response:
     if not ctx.engine.ready:
         raise ApiError(503, "Loading model", headers={"Retry-After": "1"}, reason="loading")
     return web.json_response({"status": "ok"})
+
+
+def kv_memory(ctx: AppContext) -> KvMemory:
+    rt = ctx.rt
+    info = rt.info
+    memory = Memory.of(info.is_recurrent, info.is_hybrid, info.n_swa)
+    extra = 0
+    if rt.cfg.swa_full and info.n_swa > 0:
+        n_ubatch = min(rt.cfg.n_ubatch, rt.cfg.n_batch)
+        window = window_cache_cells(rt.n_ctx, info.n_swa, rt.n_seq_max, n_ubatch, rt.cfg.kv_unified)
+        extra = (rt.n_ctx - window) * rt.swa_bytes_per_token
+    return KvMemory(
+        kind=memory.kind,
+        sliding_window=info.n_swa,
+        swa_full=rt.cfg.swa_full,
+        swa_full_extra_bytes=extra,
+        recurrent_state_bytes=rt.state_bytes,
+        pools=ctx.engine.pools_disabled_reason or memory.pools_summary(),
+    )
 
 
 def polykv_props(ctx: AppContext) -> PolykvProps:
@@ -65,6 +92,7 @@ def polykv_props(ctx: AppContext) -> PolykvProps:
             omp_wait=rt.omp_wait,
             cpu_limit=rt.cpu_limit,
         ),
+        memory=kv_memory(ctx),
     )
 
 

@@ -1,0 +1,90 @@
+"""What a model keeps per sequence, and the rules pools follow on it (pure).
+
+- attention: every layer keeps every token's cells. A pool's cells are shared by position
+  range, at any length.
+- sliding_window: some layers attend to the last ``n_swa`` tokens only, and llama.cpp hands a
+  cell that one sequence alone holds to the next token once it is out of that sequence's
+  window. A pool's cells are decoded into a guard sequence too, so two sequences always hold
+  them and none is handed out; the window layers then need a full-size cache (``swa_full``).
+- recurrent: one fixed-size state per sequence, exact only after its last token. A pool is
+  attached at exactly its length (the state is copied into the session's sequence), a fork
+  must extend its parent, and nothing is cut back below the end.
+- hybrid: a recurrent state and attention cells: the recurrent rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+MemoryKind = Literal["attention", "sliding_window", "recurrent", "hybrid"]
+
+SWA_CACHE_PAD = 256  # llama.cpp pads a window-sized SWA cache to this many cells
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    kind: MemoryKind
+    n_swa: int = 0  # the window, in tokens
+
+    @classmethod
+    def of(cls, recurrent: bool, hybrid: bool, n_swa: int) -> Memory:
+        if recurrent:
+            return cls("recurrent")
+        if hybrid:
+            return cls("hybrid", n_swa)
+        return cls("sliding_window", n_swa) if n_swa > 0 else cls("attention")
+
+    @property
+    def exact_length(self) -> bool:
+        """A sequence's memory is exact only at its end: attach at exactly L, forks extend,
+        a cached context is reused whole or not at all."""
+        return self.kind in ("recurrent", "hybrid")
+
+    @property
+    def guarded(self) -> bool:
+        """Pools' cells need a guard sequence to stay whole."""
+        return self.kind == "sliding_window"
+
+    @property
+    def plain(self) -> bool:
+        """Cells can be shared, moved and cut by position range at will."""
+        return self.kind == "attention"
+
+    def pools_summary(self) -> str:
+        if self.kind == "attention":
+            return "pools share the prefix's cells copy-free, attach and branch at any length"
+        if self.kind == "sliding_window":
+            return (
+                f"a {self.n_swa}-token sliding window: every pool's cells are also held by a "
+                "guard sequence, so llama.cpp never recycles them, and the window layers keep "
+                "a full-size cache; attach and branch at any length"
+            )
+        return (
+            "the recurrent state exists only at the end of a prefix: a session attaches at "
+            "exactly a pool's length (its prompt must go on past it), a child pool extends "
+            "its parent (branch_pos = the parent's length), anything shorter is refused "
+            "(recurrent_attach, recurrent_branch)"
+        )
+
+
+def window_cache_cells(n_ctx: int, n_swa: int, n_seq_max: int, n_ubatch: int, unified: bool) -> int:
+    """Cells llama.cpp gives a window-sized SWA cache (without --swa-full)."""
+    cells = min(n_ctx, n_swa * (n_seq_max if unified else 1) + n_ubatch)
+    return -(-cells // SWA_CACHE_PAD) * SWA_CACHE_PAD
+
+
+def recycle_horizon(length: int, n_swa: int) -> int:
+    """Once a sequence is ``length`` tokens long, llama.cpp may hand out its cells below this
+    position (those its next token no longer sees)."""
+    return max(0, length - n_swa + 1) if n_swa > 0 else 0
+
+
+def recycled_below(horizon: int, n_swa: int, keep: int, protected: int) -> bool:
+    """On a sliding-window model: whether the window that the token at position ``keep``
+    sees, ``[keep - n_swa + 1, keep)``, may have lost cells. ``horizon``: the sequence's own
+    cells below it may have been handed out (``recycle_horizon`` of its longest length so
+    far); ``protected``: its first cells, which a guarded pool holds too, never are."""
+    if n_swa <= 0 or keep <= protected:
+        return False
+    return max(keep - n_swa + 1, protected) < min(horizon, keep)
