@@ -1,12 +1,13 @@
 # PolyKV developer entry points. Two commands matter:
 #   make demo   the main job on the embedded default (see README)
 #   make test   the whole suite, lint and type checks included (what CI runs)
+# and, while editing: make unit (seconds), make docs (the site, strict).
 SHELL := /bin/bash
 VENV  := .venv
 PY    := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup demo test lint typecheck pytest models bench clean e2e-bins images chart
+.PHONY: setup demo test unit docs lint typecheck pytest models bench clean e2e-bins images chart
 
 setup:
 	@scripts/setup.sh
@@ -45,8 +46,24 @@ pytest: setup models e2e-bins
 
 test: lint typecheck pytest
 
+# The tests that need no model process, no cluster and no network (CONTRIBUTING.md).
+UNIT_DIRS := tests/engine/unit tests/operator tests/router tests/client \
+	tests/helm/test_argocd_health.py tests/docs
+UNIT_SKIP := tests/engine/unit/test_fetch_model.py tests/operator/test_fake_engine_contract.py \
+	tests/router/test_auth.py tests/router/test_engines.py tests/router/test_proxy.py \
+	tests/client/test_client_live.py
+unit: setup
+	$(VENV)/bin/pytest -q -m "not k8s and not real_model" $(UNIT_DIRS) \
+		$(addprefix --ignore=,$(UNIT_SKIP))
+
+# The docs site (mkdocs.yml): generated reference pages, then a strict build into site/.
+docs: setup
+	$(PY) scripts/docs_reference.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# Every benchmark; each writes bench/results/<name>.json and its table in docs/performance.md.
 bench: setup models
 	$(PY) -m bench.run_all
 
 clean:
-	rm -rf $(VENV) .run models
+	rm -rf $(VENV) .run models site

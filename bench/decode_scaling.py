@@ -21,7 +21,7 @@ the counter deltas over that pure-decode window give time per step inside
 ``llama_decode``, inside the engine's step but outside decode, and per loop iteration
 (wall time / steps, which also covers the loop's work between steps).
 
-Targets (issue 2): at 8 sessions, time outside ``llama_decode`` <= 10% of the step, and
+Targets: at 8 sessions, time outside ``llama_decode`` <= 10% of the step, and
 aggregate decode tps >= 3x one session's.
 """
 
@@ -833,7 +833,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             ]
         )
     if rows:
-        lines += [H.markdown_table(["issue 2 target", "measured", "verdict"], rows), ""]
+        lines += [H.markdown_table(["target", "measured", "verdict"], rows), ""]
     w1 = eng.get("1", {}).get("window")
     wt = eng.get(str(top := max(cfg.levels)), {}).get("window")
     best = ra.get(f"direct/scaling/{top}")

@@ -7,8 +7,9 @@
   the same instant (``run_together``), Prometheus scrapes (``scrape_metrics``);
 * statistics: repeat-and-summarise (``Summary``: median, min, max, spread);
 * noise accounting: how many cores *other* processes used while we measured (``CpuWatch``);
-* output: ``bench/results/<name>.json`` + ``.md`` and the README table between
-  ``<!-- bench:<name>:start -->`` / ``<!-- bench:<name>:end -->`` (``publish``).
+* output: ``bench/results/<name>.json`` and the table in ``docs/performance.md`` between
+  ``<!-- bench:<name>:start -->`` / ``<!-- bench:<name>:end -->``, charts in
+  ``docs/assets/bench/`` (``publish``).
 
 Progress goes to stderr; the final table goes to stdout.
 """
@@ -44,7 +45,8 @@ T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
-README = REPO_ROOT / "README.md"
+DOCS_PAGE = REPO_ROOT / "docs" / "performance.md"  # the tables; never the front page
+CHARTS_DIR = REPO_ROOT / "docs" / "assets" / "bench"
 MODEL_ENV = "POLYKV_BENCH_MODEL"
 DEFAULT_MODEL = REPO_ROOT / "models" / "polykv-bench.gguf"
 
@@ -492,8 +494,8 @@ def _markers(name: str) -> tuple[str, str]:
     return f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
 
 
-def splice_readme(text: str, name: str, markdown: str) -> str:
-    """Return README text with ``markdown`` between the benchmark's markers.
+def splice_tables(text: str, name: str, markdown: str) -> str:
+    """Return the docs page with ``markdown`` between the benchmark's markers.
 
     The markers are replaced in place when present; otherwise they are appended to the
     "## Benchmarks" section, which is created at the end when absent. Nothing else changes.
@@ -521,27 +523,27 @@ def publish(
     name: str,
     data: Mapping[str, Any],
     markdown: str,
-    readme: Path | None = README,
+    page: Path | None = DOCS_PAGE,
     charts: Charts | None = None,
 ) -> None:
-    """Write results/<name>.json and .md, the charts, and (unless ``readme`` is None) the
-    README table, with the charts linked under it."""
+    """Write results/<name>.json, the charts, and (unless ``page`` is None) the table on the
+    docs page, with the charts linked under it."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / f"{name}.json").write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    pngs = charts(data, RESULTS_DIR) if charts is not None else []
+    progress(f"wrote bench/results/{name}.json")
+    if page is None:
+        return
+    CHARTS_DIR.mkdir(parents=True, exist_ok=True)
+    pngs = charts(data, CHARTS_DIR) if charts is not None else []
     for png in pngs:
-        progress(f"wrote bench/results/{png.name}")
-    links = "".join(f"\n\n![{png.stem}]({png.name})" for png in pngs)
-    (RESULTS_DIR / f"{name}.md").write_text(markdown.strip() + links + "\n")
-    rel = RESULTS_DIR.relative_to(REPO_ROOT)
+        progress(f"wrote {png.relative_to(REPO_ROOT)}")
+    rel = CHARTS_DIR.relative_to(page.parent)
     markdown = markdown.strip() + "".join(f"\n\n![{p.stem}]({rel}/{p.name})" for p in pngs)
-    progress(f"wrote bench/results/{name}.json and .md")
-    if readme is not None:
-        old = readme.read_text()
-        new = splice_readme(old, name, markdown)
-        if new != old:
-            readme.write_text(new)
-        progress(f"README table {name} updated")
+    old = page.read_text()
+    new = splice_tables(old, name, markdown)
+    if new != old:
+        page.write_text(new)
+    progress(f"{page.relative_to(REPO_ROOT)}: table {name} updated")
 
 
 def republish(
@@ -553,7 +555,7 @@ def republish(
     render: Callable[[Any, dict[str, Any], Any], str],
     *,
     publish_files: bool,
-    readme: bool,
+    docs: bool,
     charts: Charts | None = None,
 ) -> int:
     """A saved measurement analysed and rendered again (``--from-json``): its environment
@@ -562,7 +564,7 @@ def republish(
     table = render(cfg, raw, res)
     if publish_files:
         data["summary"] = res
-        publish(name, data, table, readme=README if readme else None, charts=charts)
+        publish(name, data, table, page=DOCS_PAGE if docs else None, charts=charts)
     print(table)
     return 0
 
@@ -570,7 +572,7 @@ def republish(
 def add_output_flags(p: Any, rerender: bool = False) -> None:
     """The flags every benchmark shares: where its results go (and, for benchmarks that can
     re-render a saved result, where it comes from)."""
-    p.add_argument("--no-readme", action="store_true", help="do not touch README.md")
+    p.add_argument("--no-docs", action="store_true", help="write the JSON only, not the docs page")
     p.add_argument("--no-publish", action="store_true", help="print only; write no files")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, short, no files")
     if rerender:
@@ -608,7 +610,7 @@ def run_and_publish(
         **{k: raw[k] for k in bulky},
     }
     if not (args.no_publish or args.quick):
-        publish(name, data, table, readme=None if args.no_readme else README, charts=charts)
+        publish(name, data, table, page=None if args.no_docs else DOCS_PAGE, charts=charts)
     print(table)
     progress(f"done in {time.monotonic() - t0:.0f}s")
     return 0

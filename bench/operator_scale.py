@@ -447,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     H.add_output_flags(p, rerender=True)
     args = p.parse_args(argv)
     if args.from_json:
-        return rerender(args.from_json, publish=not args.no_publish, readme=not args.no_readme)
+        return rerender(args.from_json, publish=not args.no_publish, docs=not args.no_docs)
     cfg = Config(per_engine=args.per_engine)
     if args.quick:
         cfg.applies, cfg.tree, cfg.engines, cfg.per_engine = 3, 20, 2, 20
@@ -455,12 +455,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return H.run_and_publish(NAME, cfg, args, measure, analyse, render, bulky=())
 
 
-def rerender(path: Path, publish: bool, readme: bool) -> int:
+def rerender(path: Path, publish: bool, docs: bool) -> int:
     """Tables from an earlier measurement (its environment and commit stay as recorded)."""
     data = json.loads(path.read_text())
     cfg = Config(**data["config"])
     raw = {k: v for k, v in data.items() if k not in ("benchmark", "config", "summary")}
-    return H.republish(NAME, data, cfg, raw, analyse, render, publish_files=publish, readme=readme)
+    return H.republish(NAME, data, cfg, raw, analyse, render, publish_files=publish, docs=docs)
 
 
 if __name__ == "__main__":

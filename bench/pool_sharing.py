@@ -37,9 +37,9 @@ own prompt time, tokens served from KV (``cache_n``), and KV use after the sessi
 from ``GET /polykv/pools`` (``kv_bytes_used``, per-pool ``own_kv_bytes``, per-session
 ``marginal_kv_bytes``, and llama.cpp's ``kv_cells_measured``).
 
-Targets (issue 3): pooled KV bytes <= 1.02 x (P + sum S_i) x bytes/token; attach time to
+Targets: pooled KV bytes <= 1.02 x (P + sum S_i) x bytes/token; attach time to
 first token <= 1.2 x the time to prefill the suffix alone (same engine, same k).
-Targets (issue 17, automatic sharing without a pool): KV bytes <= 1.05 x the pool's; time to
+Targets (automatic sharing without a pool): KV bytes <= 1.05 x the pool's; time to
 first token <= 1.5 x the pool's create + attach time (the pool computed the prefix once
 before its clock started; automatic sharing computes it inside the measured turn), with the
 ratio to attach alone reported beside it.
@@ -1040,7 +1040,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         )
         rows.append(
             [
-                f"issue 3: KV bytes ≤ {tg['kv']['limit']:.2f} × ideal ({what})",
+                f"KV bytes ≤ {tg['kv']['limit']:.2f} × ideal ({what})",
                 f"{r['worst_ratio']:.4f} (worst repeat)",
                 "**met**" if r["met"] else "**missed**",
             ]
@@ -1057,7 +1057,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         ]
         rows.append(
             [
-                f"issue 3: attach first token ≤ {tg['ttft']['limit']:.1f} × suffix alone ({r['k']} "
+                f"attach first token ≤ {tg['ttft']['limit']:.1f} × suffix alone ({r['k']} "
                 f"session{'s' if r['k'] > 1 else ''}, `{flags}`)",
                 f"{r['ratio_of_medians']:.2f}× (per repeat {r['paired']['min']:.2f}–"
                 f"{r['paired']['max']:.2f}×)"
@@ -1070,7 +1070,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         n = f"{r['k']} session{'s' if r['k'] != 1 else ''}"
         rows.append(
             [
-                f"issue 17: automatic sharing (no pool) KV ≤ {at_['kv_limit']:.2f} × pool ({n})",
+                f"automatic sharing (no pool) KV ≤ {at_['kv_limit']:.2f} × pool ({n})",
                 f"{r['kv_worst']:.4f} (worst repeat)",
                 "**met**" if r["kv_met"] else "**missed**",
             ]
@@ -1078,7 +1078,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         paired = r["ttft_over_pool_total_paired"]
         rows.append(
             [
-                f"issue 17: automatic sharing first token ≤ {at_['ttft_limit']:.1f} × pool "
+                f"automatic sharing first token ≤ {at_['ttft_limit']:.1f} × pool "
                 f"create + attach ({n})",
                 f"{r['ttft_over_pool_total']:.2f}× (per repeat {paired['min']:.2f}–"
                 f"{paired['max']:.2f}×); ÷ attach alone, prefix already resident: "
@@ -1171,7 +1171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     H.add_output_flags(p, rerender=True)
     args = p.parse_args(argv)
     if args.from_json:
-        return rerender(args.from_json, publish=not args.no_publish, readme=not args.no_readme)
+        return rerender(args.from_json, publish=not args.no_publish, docs=not args.no_docs)
     cfg = Config(
         reps=args.reps,
         prefix_tokens=args.prefix_tokens,
@@ -1188,14 +1188,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return H.run_and_publish(NAME, cfg, args, measure, analyse, render, bulky=("runs", "fanout"))
 
 
-def rerender(path: Path, publish: bool, readme: bool) -> int:
+def rerender(path: Path, publish: bool, docs: bool) -> int:
     """Tables from an earlier measurement (its environment and commit stay as recorded)."""
     data = json.loads(path.read_text())
     conf = dict(data["config"])
     conf["levels"] = tuple(conf["levels"])
     cfg = Config(**conf)
     raw = {k: data[k] for k in ("env", "model", "props", "runs", "fanout")}
-    return H.republish(NAME, data, cfg, raw, analyse, render, publish_files=publish, readme=readme)
+    return H.republish(NAME, data, cfg, raw, analyse, render, publish_files=publish, docs=docs)
 
 
 if __name__ == "__main__":

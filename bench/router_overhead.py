@@ -17,7 +17,7 @@ Per repeat: the median of each side and the median of the paired differences; th
 shows the median (min–max) over repeats. The router's own view is its
 ``polykv_router_added_latency_seconds`` histogram (time before it sends upstream).
 
-Targets (issue 14): < 2 ms added per request at p50; streaming >= 0.98 x direct.
+Targets: < 2 ms added per request at p50; streaming >= 0.98 x direct.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         + ".",
         "",
         H.markdown_table(
-            ["issue 14 target", "measured", "verdict"],
+            ["target", "measured", "verdict"],
             [
                 [
                     "< 2 ms added per request at p50",

@@ -1,4 +1,4 @@
-"""``make bench``: run every benchmark in turn (each writes its results and README table).
+"""``make bench``: run every benchmark in turn (each writes its results and its docs table).
 
 python -m bench.run_all                      # all of them
 python -m bench.run_all --only decode_scaling

@@ -1,6 +1,9 @@
-"""Issue 4 benchmark: a spawn ramp against a tps floor, naive gate vs the P7 admission policy.
+"""A spawn ramp against a tps floor: naive gates vs the engine's floor admission.
 
-In the spirit of the spec's courier run (§14): an orchestrator ticks every few seconds and
+Policy names: ``p7`` is the floor admission the engine ships (the name comes from the
+seventh change of the engine's specification, which introduced it); ``p7-*`` are variants.
+
+An orchestrator ticks every few seconds and
 may start one more agent per tick; agents attach to one pool and loop: decode a turn of
 ``TURN_TOKENS`` tokens, pause like a tool call, send the next turn (same session, the tool's
 answer appended). An agent's context is a rolling window (the shared prefix, its task, its
@@ -18,7 +21,7 @@ spec's workers retire only at episode end), so an over-admit stays until the run
 
    * ``naive-raw``: the orchestrator reads ``GET /polykv/tps`` and spawns when the raw
      ``mean_active_tps`` is at or above the floor, or when nothing is measured (every agent
-     between turns): the courier's scheduler before P7; no settling, no server-side gate;
+     between turns): an orchestrator's own scheduler; no settling, no server-side gate;
    * ``naive-proj``: the same, with the raw mean projected by the flat-aggregate model,
      mean x n/(n+1) over the n sessions with a measurement;
    * ``p7``: ``POST /polykv/pools/{pool}/admission`` {floor, enforced, reject, guarantee 1,
@@ -39,7 +42,7 @@ Measured by sampling ``GET /polykv/tps`` every 0.2 s: time under the floor (seco
 peak concurrent agents, overshoot (peak - ``n_ok``), plus spawns, 429s, holds, and the
 engine's aggregate decode rate (``polykv_tokens_decoded_total``) as the price paid.
 
-Target (issue 4): time under the floor with P7 at least 50% lower than with the naive gate.
+Target: time under the floor with ``p7`` at least 50% lower than with the naive gate.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ POLICIES = ("naive-raw", "naive-proj", "p7-live", "p7-paced", "p7-step-cap", "p7
 # Policies run against an engine of their own, started with these flags: one whose admission
 # sees only the sessions decoding now (the two ways to fix its over-admits, side by side), and
 # one whose projection is capped by decode-only step times (the cap before the cycle curve).
-# P7 as shipped gets an engine of its own too: the engine-wide step times it learns would
+# ``p7`` (as shipped) gets an engine of its own too: the engine-wide step times it learns would
 # otherwise carry the naive gates' heavier mixes into its runs, and the A/B with
 # p7-step-cap would not be like for like.
 ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
@@ -711,10 +714,18 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
 POLICY_LABELS = {
     "naive-raw": "naive gate: raw mean ≥ floor",
     "naive-proj": "naive gate: raw mean × n/(n+1) ≥ floor",
-    "p7-live": "P7, live projection (only sessions decoding now)",
-    "p7-paced": "P7, live projection + pacing (a full turn of every agent between spawns)",
-    "p7-step-cap": "P7, capped by decode-only step times (the previous cap)",
-    "p7": "P7 as shipped: pause-aware projection, capped by token-to-token times",
+    "p7-live": "floor admission, live projection (only sessions decoding now)",
+    "p7-paced": "floor admission, live projection + pacing (a full turn of every agent between "
+    "spawns)",
+    "p7-step-cap": "floor admission, capped by decode-only step times (the previous cap)",
+    "p7": "floor admission as shipped: pause-aware projection, capped by token-to-token times",
+}
+# The same policies in the notes under the tables.
+POLICY_SHORT = {
+    "p7-live": "live projection",
+    "p7-paced": "live projection + pacing",
+    "p7-step-cap": "step-time cap",
+    "p7": "as shipped",
 }
 
 
@@ -733,7 +744,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     env = raw["env"]
     floor = float(cal["floor"])
     lines = [
-        "### Spawn ramp: naive gate vs P7 admission",
+        "### Spawn ramp: naive gate vs floor admission",
         "",
         f"Bench model `{Path(raw['model']['path']).name}`, `-np {N_PARALLEL} -c {CTX} -t "
         f"{cfg.threads} -fa off`. Agents share a {cfg.prefix_tokens}-token pool (a fresh fork "
@@ -821,7 +832,10 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     rows = []
     for naive, t in res["targets"].items():
         if t["met"] is None:
-            measured = f"the naive gate never went under the floor (P7: {t['p7_under_s']:.1f} s)"
+            measured = (
+                f"the naive gate never went under the floor (floor admission: "
+                f"{t['p7_under_s']:.1f} s)"
+            )
             verdict = "not measurable"
         else:
             pr = t.get("paired_reduction")
@@ -833,14 +847,15 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             verdict = "**met**" if t["met"] else "**missed**"
         rows.append(
             [
-                f"P7 time under the floor ≥ {100 * TARGET_REDUCTION:.0f}% lower than the "
+                f"floor admission's time under the floor ≥ {100 * TARGET_REDUCTION:.0f}% lower "
+                f"than the "
                 f"{POLICY_LABELS[naive]}",
                 measured,
                 verdict,
             ]
         )
     if rows:
-        lines += [H.markdown_table(["issue 4 target", "measured", "verdict"], rows), ""]
+        lines += [H.markdown_table(["target", "measured", "verdict"], rows), ""]
     lines += _p7_notes(raw, res)
     foreign = [r["foreign_cpu_cores"] for r in raw["runs"]]
     lines += [
@@ -862,7 +877,7 @@ def _p7_notes(raw: dict[str, Any], res: dict[str, Any]) -> list[str]:
     fixes = [p for p in ("p7-live", "p7-paced", "p7-step-cap", "p7") if p in pols]
     if len(fixes) > 1:
         parts = [
-            f"{p} {pols[p]['under_s']['median']:.1f} s under the floor with "
+            f"{POLICY_SHORT[p]} {pols[p]['under_s']['median']:.1f} s under the floor with "
             f"{pols[p]['mean_agents']['median']:.1f} agents on average "
             f"({pols[p]['aggregate_decode_tps']['median']:.0f} tok/s aggregate)"
             for p in fixes
@@ -888,7 +903,7 @@ def _p7_notes(raw: dict[str, Any], res: dict[str, Any]) -> list[str]:
                         f"{e['projected']:.1f}"
                     )
         text = (
-            f"{policy}: of {len(asked)} `/capacity` polls, "
+            f"{POLICY_SHORT[policy].capitalize()}: of {len(asked)} `/capacity` polls, "
             + (
                 ", ".join(
                     f"{n} × “{why}”" for why, n in sorted(refused.items(), key=lambda x: -x[1])
@@ -926,7 +941,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     H.add_output_flags(p, rerender=True)
     args = p.parse_args(argv)
     if args.from_json:
-        return rerender(args.from_json, publish=not args.no_publish, readme=not args.no_readme)
+        return rerender(args.from_json, publish=not args.no_publish, docs=not args.no_docs)
     cfg = Config(
         reps=args.reps,
         run_s=args.run_s,
@@ -949,7 +964,7 @@ def chart(data: Mapping[str, Any], out_dir: Path) -> list[Path]:
     return charts.ramp(data, out_dir, POLICY_LABELS)
 
 
-def rerender(path: Path, publish: bool, readme: bool) -> int:
+def rerender(path: Path, publish: bool, docs: bool) -> int:
     """Tables from an earlier measurement (its environment and commit stay as recorded)."""
     data = json.loads(path.read_text())
     conf = dict(data["config"])
@@ -957,7 +972,7 @@ def rerender(path: Path, publish: bool, readme: bool) -> int:
     cfg = Config(**conf)
     raw = {k: data[k] for k in ("env", "model", "calibration", "runs")}
     return H.republish(
-        NAME, data, cfg, raw, analyse, render, publish_files=publish, readme=readme, charts=chart
+        NAME, data, cfg, raw, analyse, render, publish_files=publish, docs=docs, charts=chart
     )
 
 

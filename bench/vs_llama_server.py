@@ -16,7 +16,7 @@ HTTP responsiveness: while 8 streams decode, a probe asks for one token every 0.
 ninth slot; its time to first token (p50, p99) shows whether spinning threads starve the
 server's own event loop.
 
-Shared prefix (second section, issue 17): 8 agents whose prompts start with the same
+Shared prefix (second section): 8 agents whose prompts start with the same
 ~1.9k-token prefix and end in short distinct suffixes, each asking for one short greedy
 answer, on a cold server: llama-server as it comes (a fresh process per run: its slots and
 its host-memory prompt cache empty; its own prompt-cache defaults, read from its ``--help``
@@ -902,7 +902,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     H.add_output_flags(p, rerender=True)
     args = p.parse_args(argv)
     if args.from_json:
-        return rerender(args.from_json, publish=not args.no_publish, readme=not args.no_readme)
+        return rerender(args.from_json, publish=not args.no_publish, docs=not args.no_docs)
     cfg = Config(
         reps=args.reps,
         n_predict=args.n_predict,
@@ -934,7 +934,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
 
-def rerender(path: Path, publish: bool, readme: bool) -> int:
+def rerender(path: Path, publish: bool, docs: bool) -> int:
     """Tables and chart from an earlier measurement (its environment and commit as recorded)."""
     data = json.loads(path.read_text())
     conf = dict(data["config"])
@@ -945,7 +945,7 @@ def rerender(path: Path, publish: bool, readme: bool) -> int:
     raw = {k: data.get(k) for k in ("env", "llama_server", "shared_models", "runs", "shared_runs")}
     raw["runs"] = raw["runs"] or []
     return H.republish(
-        NAME, data, cfg, raw, analyse, render, publish_files=publish, readme=readme, charts=chart
+        NAME, data, cfg, raw, analyse, render, publish_files=publish, docs=docs, charts=chart
     )
 
 

@@ -2,7 +2,7 @@
 
 The wire models read the static numbers (pydantic field bounds); the engine checks the rest
 before any llama.cpp call: JSON nesting while it parses a body, grammar size and nesting,
-schema keywords, ``repeat_last_n`` against the slot's context. ``engine_image/README.md``
+schema keywords, ``repeat_last_n`` against the slot's context. ``docs/engine.md``
 ("Bounds") lists each with its status and reason code.
 """
 

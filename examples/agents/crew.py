@@ -3,7 +3,7 @@
     python examples/agents/crew.py --start                 # starts a local engine (SmolLM2)
     python examples/agents/crew.py --engine URL --admin-key KEY
 
-The walk-through is in the README ("Agents on PolyKV with LangGraph"). In short:
+The walk-through is in docs/langgraph.md. In short:
 
     crew (root: shared rules)            the pool tree this script makes
     ├── planner  (+ planner role)        the planner's thread attaches here

@@ -2,7 +2,7 @@
 
 A session's private KV lives on one replica, so the router keeps each ``x-session-id`` on the
 replica that holds it and places new sessions by each replica's admission capacity for their
-pool. See ``router/README.md`` for the request path and the module table.
+pool. See ``docs/routing.md`` for the request path, ``docs/architecture.md`` for the modules.
 
 Layering (a module imports only from its own layer or lower ones):
 

@@ -1,4 +1,4 @@
-"""The README's first command, `make demo` (scripts/demo_operator.py), run whole on a
+"""The front page's first command, `make demo` (scripts/demo_operator.py), run whole on a
 control plane of its own: the answer a newcomer sees must be a real one, and the tree must
 show. (A 135M model that answered with a tool call once broke it without any test noticing.)
 """

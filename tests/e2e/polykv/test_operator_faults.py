@@ -3,7 +3,7 @@ every handler step, down while resources change, the API server gone for a minut
 watches cut (and answered 410 Gone), two replicas at once, other writers on its status, a
 release the engine keeps refusing, and trees deleted with both cascade policies.
 
-Each test states the figure it proves in its docstring; README.md's Reliability table
+Each test states the figure it proves in its docstring; docs/reliability.md's table
 repeats them."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The README's install commands, run verbatim (bash, from the repository root) on a control
-plane of their own: the operator they install serves every namespace and takes the names
-polykv-system and polykv-operator, which the other tests' cluster must not share.
+"""The install commands of docs/install.md, run verbatim (bash, from the repository root)
+on a control plane of their own: the operator they install serves every namespace and takes
+the names polykv-system and polykv-operator, which the other tests' cluster must not share.
 
 The Helm block runs first; after `helm uninstall` the plain-manifest block runs on the same
 cluster (the CRDs and the chart's kept master key stay, as they would for a user). After
@@ -26,13 +26,16 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[3]
 
 
+INSTALL_PAGE = ROOT / "docs" / "install.md"
+
+
 def readme_block(name: str) -> list[str]:
-    """The command lines of the README's fenced block marked `readme-test:<name>`."""
-    text = (ROOT / "README.md").read_text()
+    """The command lines of the install page's fenced block marked `readme-test:<name>`."""
+    text = INSTALL_PAGE.read_text()
     m = re.search(
         rf"<!-- readme-test:{name} -->\n```bash\n(.*?)```\n<!-- /readme-test -->", text, re.S
     )
-    assert m is not None, f"README has no readme-test:{name} block"
+    assert m is not None, f"{INSTALL_PAGE.name} has no readme-test:{name} block"
     return [ln for ln in m.group(1).splitlines() if ln.strip() and not ln.startswith("#")]
 
 
@@ -61,7 +64,7 @@ def run_block(cluster: ControlPlane, name: str) -> None:
             timeout=300,
             check=False,
         )
-        assert out.returncode == 0, f"README line failed: {line}\n{out.stdout}\n{out.stderr}"
+        assert out.returncode == 0, f"install line failed: {line}\n{out.stdout}\n{out.stderr}"
 
 
 def operator_serves(cluster: ControlPlane, namespace: str) -> None:
