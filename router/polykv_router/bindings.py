@@ -3,12 +3,20 @@
 The engines are the truth (each knows its own sessions); this table only saves asking them.
 A miss is answered by asking every replica (routing.py), so a restarted router, or a second
 router replica, finds the same replica.
+
+A session is keyed by whose credentials named it as well as by its id, as the engines key
+theirs by tenant: two tenants that both call a session "main" have two sessions, and one
+tenant's binding never routes (or re-homes) the other's turns.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+
+
+SessionKey = tuple[str, str]
+"""(the fingerprint of the client's credentials, the session id)."""
 
 
 @dataclass(slots=True)
@@ -32,13 +40,13 @@ class Bindings:
     def __init__(self, ttl_s: float, max_sessions: int = 100_000) -> None:
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
-        self._table: OrderedDict[str, Binding] = OrderedDict()
+        self._table: OrderedDict[SessionKey, Binding] = OrderedDict()
         self._per_replica: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._table)
 
-    def get(self, session: str, now: float) -> Binding | None:
+    def get(self, session: SessionKey, now: float) -> Binding | None:
         b = self._table.get(session)
         if b is None:
             return None
@@ -47,20 +55,20 @@ class Bindings:
             return None
         return b
 
-    def bind(self, session: str, binding: Binding) -> None:
+    def bind(self, session: SessionKey, binding: Binding) -> None:
         self.drop(session)
         self._table[session] = binding
         self._per_replica[binding.replica] += 1
         while len(self._table) > self.max_sessions:
             self.drop(next(iter(self._table)))
 
-    def touch(self, session: str, now: float) -> None:
+    def touch(self, session: SessionKey, now: float) -> None:
         b = self._table.get(session)
         if b is not None:
             b.last_used = now
             self._table.move_to_end(session)
 
-    def drop(self, session: str) -> None:
+    def drop(self, session: SessionKey) -> None:
         b = self._table.pop(session, None)
         if b is not None:
             self._per_replica[b.replica] -= 1

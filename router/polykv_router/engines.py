@@ -45,8 +45,6 @@ class Engines:
         self.http = http
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if router_key:
-            # Session lookups place every tenant's continuations: the engine shows a session
-            # of another tenant than the lookup key's only to the router (or the admin).
             self.headers[ROUTER_KEY_HEADER] = router_key
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
@@ -89,9 +87,16 @@ class Engines:
             raise EngineError(f"{pod.name}: GET /props: no polykv block: {exc!r}") from None
         return props.boot_id
 
-    async def _read(self, pod: Pod, path: str, model: type[M], missing: str) -> M | None:
+    async def _read(
+        self,
+        pod: Pod,
+        path: str,
+        model: type[M],
+        missing: str,
+        headers: Mapping[str, str] | None = None,
+    ) -> M | None:
         """The answer at ``path`` as ``model``; None on a 404 whose reason is ``missing``."""
-        status, raw = await self._get(pod, path)
+        status, raw = await self._get(pod, path, headers)
         if status == 404 and engine_reason(raw) == missing:
             return None
         if status != 200:
@@ -121,7 +126,11 @@ class Engines:
             settling=c.settling,
         )
 
-    async def session(self, pod: Pod, session: str) -> wire.SessionInfo | None:
-        """Where the session lives on this replica; None when it is not there."""
+    async def session(
+        self, pod: Pod, session: str, creds: Mapping[str, str]
+    ) -> wire.SessionInfo | None:
+        """Where the client's session lives on this replica; None when it is not there.
+        Asked with the client's credentials only: the engine answers for that client's
+        tenant, so another tenant's session of the same id is never found."""
         path = f"/polykv/sessions/{quote(session, safe='')}"
-        return await self._read(pod, path, wire.SessionInfo, "session_not_found")
+        return await self._read(pod, path, wire.SessionInfo, "session_not_found", dict(creds))

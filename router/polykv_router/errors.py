@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,8 @@ def retry_after_s(value: str | None) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    """One replica's refusal of a request: an engine 429 or an unavailable 503."""
+    """One replica's refusal of a request: an engine 429 or an unavailable 503. The replica
+    is for the router's own log and metrics, never for the client's answer."""
 
     replica: str
     status: int
@@ -66,7 +68,9 @@ def fleet_refusal(pool: str | None, refusals: list[Refusal]) -> tuple[int, dict[
     first = min(chosen, key=lambda r: r.retry_after if r.retry_after is not None else 1)
     retry = first.retry_after if first.retry_after is not None else 1
     what = f"pool {pool!r}" if pool is not None else "the fleet"
-    tried = ", ".join(f"{r.replica}: {r.reason}" for r in refusals)
+    # Reasons and counts only: which replicas exist is the operator's to know, not a client's.
+    counts = Counter(r.reason for r in refusals)
+    tried = ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items()))
     if limited:
         message = f"no replica can admit a new session in {what} ({tried})"
         reason: Reason = first.reason if first.reason in REASONS else "tps_floor"  # type: ignore[assignment]

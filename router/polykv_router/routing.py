@@ -16,6 +16,9 @@ call per distinct key and verdict TTL.
 
 A miss in the binding table is not a new session yet: every replica is asked
 (``GET /polykv/sessions/{id}``) first, so a restarted router, or a second one, finds it.
+The question carries the client's own credentials and nothing of the router's, so an engine
+answers only with that client's tenant's session: sessions, bindings and lookups are per
+tenant here as in the engines.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from aiohttp import web
 
 from polykv_api import models as wire
 
-from .bindings import Binding, Bindings
+from .bindings import Binding, Bindings, SessionKey
 from .capacity import CapacityPoller
 from .config import Config
 from .engines import EngineError, Engines
@@ -42,6 +45,7 @@ from .picker import rank
 from .proxy import Outcome, Proxy, Refused, Relayed
 from .request import RoutingKey, routing_key
 from .reservations import Reservations
+from .verdicts import credentials, fingerprint
 
 log = logging.getLogger("polykv.router")
 
@@ -72,7 +76,7 @@ class Router:
         self.metrics = metrics
         self.keys = keys
         self.clock = clock
-        self._lookups: dict[str, asyncio.Task[Binding | None]] = {}
+        self._lookups: dict[SessionKey, asyncio.Task[Binding | None]] = {}
 
     # ------------------------------------------------------------------ entry points
 
@@ -84,13 +88,15 @@ class Router:
         body = await request.read()
         key = routing_key(request.headers.get(SESSION_HEADER), body)
         if key.session is None:
-            return await self._place(request, body, key, t0, "oneshot")
-        binding = self.bindings.get(key.session, self.clock())
+            return await self._place(request, body, key, None, t0, "oneshot")
+        creds = credentials(request.headers)
+        session = (fingerprint(creds), key.session)
+        binding = self.bindings.get(session, self.clock())
         if binding is None:
-            binding = await self._lookup(key.session, key.pool)
+            binding = await self._lookup(session, creds, key.pool)
         if binding is None:
-            return await self._place(request, body, key, t0, "new")
-        return await self._continue(request, body, key, binding, t0)
+            return await self._place(request, body, key, session, t0, "new")
+        return await self._continue(request, body, key, session, creds, binding, t0)
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
@@ -120,14 +126,20 @@ class Router:
     # ------------------------------------------------------------------ new sessions
 
     async def _place(
-        self, request: web.Request, body: bytes, key: RoutingKey, t0: float, kind: str
+        self,
+        request: web.Request,
+        body: bytes,
+        key: RoutingKey,
+        session: SessionKey | None,
+        t0: float,
+        kind: str,
     ) -> web.StreamResponse:
         if key.pool is not None:
             await self.poller.warm(key.pool, self.cfg.lookup_timeout_s)
         order = self._rank(key.pool, gated=True)
         self._observe(kind, t0)
         relayed, refusals, tried = await self._attempts(
-            request, body, order, key.session, key.pool, bind=True
+            request, body, order, session, key.pool, bind=True
         )
         if relayed is not None:
             ok = 200 <= relayed.status < 300
@@ -146,9 +158,15 @@ class Router:
     # ------------------------------------------------------------------ continuations
 
     async def _continue(
-        self, request: web.Request, body: bytes, key: RoutingKey, b: Binding, t0: float
+        self,
+        request: web.Request,
+        body: bytes,
+        key: RoutingKey,
+        session: SessionKey,
+        creds: dict[str, str],
+        b: Binding,
+        t0: float,
     ) -> web.StreamResponse:
-        assert key.session is not None
         pool = key.pool if key.pool is not None else b.pool
         r = self.fleet.get(b.replica)
         why: str | None = None
@@ -157,12 +175,12 @@ class Router:
         elif b.boot_id is None:
             b.boot_id = r.boot_id  # placed before the first poll of this replica: learn it now
         elif r.boot_id is not None and r.boot_id != b.boot_id:
-            why = await self._restarted(r, key.session, b)
+            why = await self._restarted(r, session[1], creds, b)
         if why is None and r is not None:
             self._observe("continuation", t0)
-            outcome = await self._send(request, body, r, key.session, pool, bind=False)
+            outcome = await self._send(request, body, r, session, pool, bind=False)
             if isinstance(outcome, Relayed):
-                self.bindings.touch(key.session, self.clock())
+                self.bindings.touch(session, self.clock())
                 return outcome.response
             if isinstance(outcome, Refused):
                 # A 503: it is draining or lost its KV. A 429: it no longer holds the session
@@ -170,15 +188,17 @@ class Router:
                 why = "draining" if outcome.refusal.status == 503 else "lost"
             else:
                 why = "unreachable"
-            return await self._rehome(request, body, key.session, pool, b.replica, why, None)
+            return await self._rehome(request, body, session, pool, b.replica, why, None)
         assert why is not None
-        return await self._rehome(request, body, key.session, pool, b.replica, why, t0)
+        return await self._rehome(request, body, session, pool, b.replica, why, t0)
 
-    async def _restarted(self, r: Replica, session: str, b: Binding) -> str | None:
+    async def _restarted(
+        self, r: Replica, session: str, creds: dict[str, str], b: Binding
+    ) -> str | None:
         """The replica's engine restarted since the session was bound. If the new process
         holds the session anyway (a turn reached it since), keep it; else it is gone."""
         try:
-            info = await self.engines.session(r.pod, session)
+            info = await self.engines.session(r.pod, session, creds)
         except EngineError:
             return "restarted"
         if info is not None and info.boot_id == r.boot_id:
@@ -190,7 +210,7 @@ class Router:
         self,
         request: web.Request,
         body: bytes,
-        session: str,
+        session: SessionKey,
         pool: str | None,
         old: str,
         why: str,
@@ -208,32 +228,36 @@ class Router:
         if relayed is None:
             log.warning(
                 "session could not be re-homed",
-                extra={"fields": {"session": session, "from": old, "reason": why}},
+                extra={"fields": {"session": session[1], "from": old, "reason": why}},
             )
             return self._refused(pool, refusals, placement=False)
         self.metrics.rehomes.labels(why).inc()
         log.info(
             "session re-homed",
-            extra={"fields": {"session": session, "pool": pool, "from": old, "reason": why,
+            extra={"fields": {"session": session[1], "pool": pool, "from": old, "reason": why,
                               "to": relayed.replica}},
         )  # fmt: skip
         return relayed.response
 
     # ------------------------------------------------------------------ lookups
 
-    async def _lookup(self, session: str, pool: str | None) -> Binding | None:
-        """Asks every replica whether it holds the session (one question per session at a
-        time, however many requests wait for the answer)."""
+    async def _lookup(
+        self, session: SessionKey, creds: dict[str, str], pool: str | None
+    ) -> Binding | None:
+        """Asks every replica whether it holds the session, with the client's credentials
+        (one question per session at a time, however many requests wait for the answer)."""
         task = self._lookups.get(session)
         if task is None:
-            task = asyncio.create_task(self._ask_all(session, pool))
+            task = asyncio.create_task(self._ask_all(session, creds, pool))
             self._lookups[session] = task
             task.add_done_callback(lambda _: self._lookups.pop(session, None))
         return await asyncio.shield(task)
 
-    async def _ask_all(self, session: str, pool: str | None) -> Binding | None:
+    async def _ask_all(
+        self, session: SessionKey, creds: dict[str, str], pool: str | None
+    ) -> Binding | None:
         replicas = list(self.fleet)
-        answers = await asyncio.gather(*(self._ask(r, session) for r in replicas))
+        answers = await asyncio.gather(*(self._ask(r, session[1], creds) for r in replicas))
         found = [(r, info) for r, info in zip(replicas, answers, strict=True) if info is not None]
         if not found:
             self.metrics.lookups.labels("not_found").inc()
@@ -246,13 +270,15 @@ class Router:
         self.metrics.lookups.labels("found").inc()
         log.info(
             "session found on a replica",
-            extra={"fields": {"session": session, "replica": r.name, "holders": len(found)}},
+            extra={"fields": {"session": session[1], "replica": r.name, "holders": len(found)}},
         )
         return b
 
-    async def _ask(self, r: Replica, session: str) -> wire.SessionInfo | None:
+    async def _ask(
+        self, r: Replica, session: str, creds: dict[str, str]
+    ) -> wire.SessionInfo | None:
         try:
-            return await self.engines.session(r.pod, session)
+            return await self.engines.session(r.pod, session, creds)
         except EngineError as exc:
             log.debug("session lookup failed: %s", exc)
             return None
@@ -272,7 +298,7 @@ class Router:
         request: web.Request,
         body: bytes,
         order: list[str],
-        session: str | None,
+        session: SessionKey | None,
         pool: str | None,
         extra: dict[str, str] | None = None,
         bind: bool = False,
@@ -304,7 +330,7 @@ class Router:
         request: web.Request,
         body: bytes,
         r: Replica,
-        session: str | None,
+        session: SessionKey | None,
         pool: str | None,
         extra: dict[str, str] | None = None,
         bind: bool = False,

@@ -200,6 +200,47 @@ def test_a_refusal_relayed_from_an_engine_names_no_replica(
     assert "x-polykv-replica" not in r.headers
 
 
+# ------------------------------------------------------------------------ tenants
+
+TENANT_KEYS = "alpha: key-alpha\nbeta: key-beta\nops: key-ops\n"
+
+
+def test_two_tenants_with_one_session_id_are_two_sessions(
+    start_engine: StartEngine, start_router: StartRouter, tmp_path: Path
+) -> None:
+    """The engines keep one session per (tenant, id); so does the router. Before, its
+    bindings and lookups went by the id alone (looked up with the router's own key): beta's
+    "main" was taken for alpha's and sent to alpha's replica."""
+    keys = tmp_path / "api.keys"
+    keys.write_text(TENANT_KEYS)
+    args = ("--api-key-file", str(keys), "--polykv-admin-key", "key-admin")
+    engines = {n: start_engine(n, *args) for n in ("a", "b")}
+    router = start_router({n: e.base_url for n, e in engines.items()}, engine_key="key-ops")
+    alpha, beta = {"Authorization": "Bearer key-alpha"}, {"Authorization": "Bearer key-beta"}
+
+    def turn(who: dict[str, str], text: str) -> str:
+        body = {"prompt": text, "n_predict": 1}
+        headers = {**who, "x-session-id": "main"}
+        r = httpx.post(router.base_url + "/completion", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.headers["x-polykv-replica"]
+
+    home = turn(alpha, "Alpha's first turn.")
+    # Beta's "main" is beta's own: asked for with beta's key (found nowhere) and placed as a
+    # new session, on the lighter replica.
+    other = turn(beta, "Beta's first turn.")
+    assert other != home
+    text = metrics(router.base_url)
+    assert total(text, "polykv_router_session_lookups_total", result="not_found") == 2
+    assert total(text, "polykv_router_sessions") == 2
+    assert turn(alpha, "Alpha's second turn.") == home
+    # A restarted router asks again, each tenant with its own key, and finds each its own.
+    router.restart()
+    assert turn(beta, "Beta's second turn.") == other
+    assert turn(alpha, "Alpha's third turn.") == home
+    assert total(metrics(router.base_url), "polykv_router_session_lookups_total", result="found") == 2
+
+
 # ------------------------------------------------------------------------ identity
 
 

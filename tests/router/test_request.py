@@ -85,7 +85,16 @@ def test_the_fleet_429_carries_the_smallest_retry_after_and_its_reason() -> None
     assert doc["error"]["reason"] == "kv_headroom"
     assert doc["error"]["code"] == 429 and doc["error"]["type"] == "rate_limit_error"
     assert doc["error"]["pool"] == "crew"
-    assert "a: tps_floor" in doc["error"]["message"]
+    # Why, and how often; never which replicas were tried (their names are the fleet's).
+    assert "2 tps_floor" in doc["error"]["message"]
+
+
+def test_a_fleet_refusal_names_no_replica() -> None:
+    pods = ["eng-7d9f-abcde", "eng-7d9f-fghij"]
+    for status, reason in ((429, "tps_floor"), (503, "shutting_down")):
+        refusals = [Refusal(p, status, reason, 2) for p in pods]
+        _, doc, _ = fleet_refusal("crew", refusals)
+        assert not any(p in json.dumps(doc) for p in pods), doc
 
 
 def test_only_unavailable_replicas_make_a_503() -> None:

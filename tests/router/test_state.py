@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from polykv_router.bindings import Binding, Bindings
+from polykv_router.bindings import Binding, Bindings, SessionKey
 from polykv_router.fleet import Fleet, PoolAnswer
 from polykv_router.picker import PoolCapacity
 from polykv_router.pods import Pod, pod_from_object
@@ -14,22 +14,36 @@ def binding(replica: str, t: float) -> Binding:
     return Binding(replica, f"uid-{replica}", "boot-1", "crew", t)
 
 
+def sk(session: str, owner: str = "tenant-a") -> SessionKey:
+    return (owner, session)
+
+
+def test_one_session_id_under_two_keys_is_two_bindings() -> None:
+    table = Bindings(ttl_s=100)
+    table.bind(sk("main"), binding("a", 0))
+    assert table.get(sk("main", owner="tenant-b"), 1) is None
+    table.bind(sk("main", owner="tenant-b"), binding("b", 1))
+    mine = table.get(sk("main"), 2)
+    assert mine is not None and mine.replica == "a"
+    assert table.per_replica() == {"a": 1, "b": 1}
+
+
 def test_a_binding_lives_while_used_and_expires_after_the_idle_ttl() -> None:
     table = Bindings(ttl_s=100)
-    table.bind("s1", binding("a", 0))
-    table.bind("s2", binding("b", 0))
-    table.touch("s1", 90)
-    assert table.get("s1", 150) is not None  # idle 60 s
-    assert table.get("s2", 150) is None  # idle 150 s: gone on read
-    table.bind("s3", binding("b", 150))
+    table.bind(sk("s1"), binding("a", 0))
+    table.bind(sk("s2"), binding("b", 0))
+    table.touch(sk("s1"), 90)
+    assert table.get(sk("s1"), 150) is not None  # idle 60 s
+    assert table.get(sk("s2"), 150) is None  # idle 150 s: gone on read
+    table.bind(sk("s3"), binding("b", 150))
     assert table.expire(200) == 1  # s1 idle 110 s; s3 idle 50 s
-    assert table.get("s1", 200) is None and table.get("s3", 200) is not None
+    assert table.get(sk("s1"), 200) is None and table.get(sk("s3"), 200) is not None
 
 
 def test_expiry_walks_only_the_expired_front() -> None:
     table = Bindings(ttl_s=10)
     for i in range(5):
-        table.bind(f"s{i}", binding("a", float(i)))
+        table.bind(sk(f"s{i}"), binding("a", float(i)))
     assert table.expire(12.5) == 3  # s0..s2 idle > 10 s
     assert len(table) == 2
     assert table.per_replica() == {"a": 2}
@@ -37,12 +51,12 @@ def test_expiry_walks_only_the_expired_front() -> None:
 
 def test_per_replica_counts_follow_rebinding_and_drops() -> None:
     table = Bindings(ttl_s=100)
-    table.bind("s1", binding("a", 0))
-    table.bind("s2", binding("a", 0))
-    table.bind("s1", binding("b", 1))  # re-homed
+    table.bind(sk("s1"), binding("a", 0))
+    table.bind(sk("s2"), binding("a", 0))
+    table.bind(sk("s1"), binding("b", 1))  # re-homed
     assert table.per_replica() == {"a": 1, "b": 1}
-    table.drop("s2")
-    table.drop("s2")
+    table.drop(sk("s2"))
+    table.drop(sk("s2"))
     assert table.per_replica() == {"b": 1}
 
 
@@ -147,12 +161,12 @@ def test_views_count_stale_answers_as_unknown_and_404s_as_missing() -> None:
 def test_bindings_past_the_bound_drop_the_least_recently_used() -> None:
     table = Bindings(ttl_s=100, max_sessions=3)
     for i in range(3):
-        table.bind(f"s{i}", binding("a", float(i)))
-    table.touch("s0", 5.0)  # s1 is now the least recently used
-    table.bind("s3", binding("b", 6.0))
+        table.bind(sk(f"s{i}"), binding("a", float(i)))
+    table.touch(sk("s0"), 5.0)  # s1 is now the least recently used
+    table.bind(sk("s3"), binding("b", 6.0))
     assert len(table) == 3
-    assert table.get("s1", 7.0) is None
-    assert all(table.get(s, 7.0) is not None for s in ("s0", "s2", "s3"))
+    assert table.get(sk("s1"), 7.0) is None
+    assert all(table.get(sk(s), 7.0) is not None for s in ("s0", "s2", "s3"))
     assert table.per_replica() == {"a": 2, "b": 1}
 
 

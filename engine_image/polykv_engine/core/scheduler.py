@@ -7,7 +7,8 @@ unit-tested without a model; the engine applies their decisions.
 Slot choice, as a demanding agent framework expects:
 1. a request whose session is bound to a slot goes back to that slot (its KV is there) and
    waits for it if that slot is busy;
-2. an explicit ``id_slot`` waits for that slot;
+2. an explicit ``id_slot`` waits for that slot, if the slot is the tenant's own or holds
+   nothing (``may_name``; another tenant's session or cache is refused, never evicted);
 3. otherwise an idle slot no session owns (another session's cache is its next turn's
    speed-up: taken only when nothing else is free, least recently used first), then the one
    whose cached tokens share the longest prefix with the prompt (llama-server's prompt-cache
@@ -24,6 +25,14 @@ from polykv_engine.core.slots import Slot, SlotView
 from polykv_engine.llama.runtime import Batch
 from polykv_engine.pools.manager import PoolManager
 from polykv_engine.tokens import common_prefix_len
+
+
+def may_name(slot: SlotView, tenant: str) -> bool:
+    """Whether ``id_slot`` may give ``slot`` to ``tenant``: it is the tenant's, or holds
+    nothing of anyone's (naming a slot would otherwise evict another tenant's idle cache at
+    will, or take its running session's slot when it ends)."""
+    held = not slot.idle or slot.session_id is not None or bool(slot.cache_tokens)
+    return slot.tenant in (None, tenant) or not held
 
 
 def choose_slot(

@@ -140,12 +140,25 @@ def test_chat_cached_tokens_report_only_the_tenants_own_cache(c: httpx.Client) -
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-def test_naming_another_tenants_slot_does_not_reuse_its_cache(c: httpx.Client) -> None:
+def test_naming_another_tenants_slot_is_refused_and_evicts_nothing(c: httpx.Client) -> None:
     secret = tok(c, A, SECRET)
-    ok(run(c, A, secret, 2, session_id="a-slot"))
+    first = ok(run(c, A, secret, 2, session_id="a-slot"))
     slot = slot_of(c, A, "a-slot")
-    t = ok(run(c, B, secret[:-3] + [WRONG], 1, id_slot=slot))["timings"]
-    assert t["cache_n"] == 0, t  # before: the slot's cache answered the guess
+    # Before: beta took the slot, and alpha's idle cache went with it (first its guess was
+    # answered from it; then it was dropped, at beta's will).
+    r = run(c, B, secret[:-3] + [WRONG], 1, id_slot=slot)
+    assert r.status_code == 409 and r.json()["error"]["reason"] == "slot_busy", r.text
+    assert "another key" in r.json()["error"]["message"]
+    # Alpha's session kept its slot and its whole cache.
+    assert slot_of(c, A, "a-slot") == slot
+    follow = secret + first["tokens"] + tok(c, A, " Again.")
+    t = ok(run(c, A, follow, 1, session_id="a-slot"))["timings"]
+    assert t["cache_n"] >= len(secret) + len(first["tokens"]) - 1, t
+    # A slot of beta's own, or an empty one, is beta's to name.
+    free = ok(c.post(f"/slots/{slot}?action=erase", headers=ADMIN))
+    assert free["id_slot"] == slot
+    assert ok(run(c, B, tok(c, B, "Beta's own."), 1, id_slot=slot))["id_slot"] == slot
+    assert ok(run(c, B, tok(c, B, "Beta's own, again."), 1, id_slot=slot))["id_slot"] == slot
 
 
 def test_a_pool_is_shared_by_naming_it_not_by_guessing_its_prompt(c: httpx.Client) -> None:
@@ -196,11 +209,13 @@ def test_listings_hide_other_tenants_sessions_grammar_and_stops(c: httpx.Client)
     assert any(STOP in s["params"].get("stop", []) for s in mine)
 
 
-def test_session_lookup_is_per_tenant_but_open_to_admin_and_router(c: httpx.Client) -> None:
+def test_session_lookup_is_per_tenant_and_open_to_the_admin(c: httpx.Client) -> None:
     ok(run(c, A, SECRET, 2, session_id="a-where"))
-    r = c.get("/polykv/sessions/a-where", headers=auth(B))
-    assert r.status_code == 404 and r.json()["error"]["reason"] == "session_not_found"
-    for headers in (auth(A), auth(A2), ADMIN, {**auth(B), **ROUTER}):
+    # The router asks with the client's own key: its identity widens nothing.
+    for headers in (auth(B), {**auth(B), **ROUTER}):
+        r = c.get("/polykv/sessions/a-where", headers=headers)
+        assert r.status_code == 404 and r.json()["error"]["reason"] == "session_not_found"
+    for headers in (auth(A), auth(A2), ADMIN):
         assert ok(c.get("/polykv/sessions/a-where", headers=headers))["session_id"] == "a-where"
 
 

@@ -1,4 +1,11 @@
-from polykv_engine.core.scheduler import ActiveSlot, Shed, ShedView, choose_slot, pick_shed
+from polykv_engine.core.scheduler import (
+    ActiveSlot,
+    Shed,
+    ShedView,
+    choose_slot,
+    may_name,
+    pick_shed,
+)
 from polykv_engine.core.slots import SlotView
 from polykv_engine.tokens import common_prefix_len
 
@@ -30,6 +37,24 @@ def test_explicit_slot_waits_for_that_slot() -> None:
     slots = [slot(0), slot(1, idle=False)]
     assert choose_slot(slots, [1], None, id_slot=1, cache_prompt=True) is None
     assert choose_slot(slots, [1], None, id_slot=0, cache_prompt=True) == 0
+
+
+def test_a_tenant_may_name_its_own_slots_and_empty_ones_only() -> None:
+    def held(
+        tenant: str | None,
+        idle: bool = True,
+        session: str | None = None,
+        cache: list[int] | None = None,
+    ) -> SlotView:
+        return SlotView(0, idle, session, cache or [], 0.0, tenant)
+
+    assert may_name(held(None), "alpha")
+    assert may_name(held("alpha", session="s", cache=[1]), "alpha")
+    assert may_name(held("alpha", idle=False), "alpha")
+    assert may_name(held("beta"), "alpha")  # beta ran here once; nothing of it is left
+    assert not may_name(held("beta", cache=[1, 2]), "alpha")  # its idle cache
+    assert not may_name(held("beta", session="s"), "alpha")  # its session
+    assert not may_name(held("beta", idle=False), "alpha")  # its running request
 
 
 def test_longest_cached_prefix_wins() -> None:
