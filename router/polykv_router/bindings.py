@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
-
 SessionKey = tuple[str, str]
 """(the fingerprint of the client's credentials, the session id)."""
 

@@ -238,7 +238,8 @@ def test_two_tenants_with_one_session_id_are_two_sessions(
     router.restart()
     assert turn(beta, "Beta's second turn.") == other
     assert turn(alpha, "Alpha's third turn.") == home
-    assert total(metrics(router.base_url), "polykv_router_session_lookups_total", result="found") == 2
+    text = metrics(router.base_url)
+    assert total(text, "polykv_router_session_lookups_total", result="found") == 2
 
 
 # ------------------------------------------------------------------------ identity

@@ -425,14 +425,14 @@ class Engine:
                 still.append(task)
                 continue
             session_slot = table.slot_of(task.tenant, task.session_id)
-            if session_slot is None and task.id_slot >= 0:
-                if not may_name(views[task.id_slot], task.tenant):
-                    msg = (
-                        f"id_slot {task.id_slot} holds another key's session or cache; name a "
-                        "free slot or one of your own, or leave id_slot out"
-                    )
-                    self._fail(task, 409, "conflict_error", "slot_busy", msg)
-                    continue
+            named = task.id_slot if session_slot is None else -1  # a session's slot wins
+            if named >= 0 and not may_name(views[named], task.tenant):
+                msg = (
+                    f"id_slot {named} holds another key's session or cache; name a free slot "
+                    "or one of your own, or leave id_slot out"
+                )
+                self._fail(task, 409, "conflict_error", "slot_busy", msg)
+                continue
             chosen = choose_slot(
                 views, task.prompt, session_slot, task.id_slot, task.cache_prompt, task.tenant
             )
