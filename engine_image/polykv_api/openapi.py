@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from . import anthropic as a
 from . import models as m
 
 Op = tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | None]
@@ -33,6 +34,20 @@ OPERATIONS: list[Op] = [
         "OpenAI chat completions (tools, response_format, logprobs)",
         m.ChatCompletionRequest,
         m.ChatCompletion,
+    ),
+    (
+        "post",
+        "/v1/messages",
+        "Anthropic Messages (tools, streaming; errors in Anthropic's shape)",
+        a.MessagesRequest,
+        a.MessageResponse,
+    ),
+    (
+        "post",
+        "/v1/messages/count_tokens",
+        "The prompt's length as /v1/messages renders it",
+        a.CountTokensRequest,
+        a.TokenCount,
     ),
     ("post", "/apply-template", "The chat template applied", m.ApplyTemplateRequest, None),
     ("post", "/tokenize", "Text to tokens", m.TokenizeRequest, None),
@@ -66,6 +81,7 @@ OPERATIONS: list[Op] = [
 ]
 
 ERROR = {"$ref": "#/components/schemas/ErrorBody"}
+ANTHROPIC_ERROR = {"$ref": "#/components/schemas/AnthropicError"}
 STRING = {"type": "string"}
 ERRORS = {
     "400": "invalid request",
@@ -83,7 +99,8 @@ ERRORS = {
 
 
 def document() -> dict[str, Any]:
-    models = {op[3] for op in OPERATIONS} | {op[4] for op in OPERATIONS} | {m.ErrorBody}
+    models = {op[3] for op in OPERATIONS} | {op[4] for op in OPERATIONS}
+    models |= {m.ErrorBody, a.AnthropicError}
     used = sorted((x for x in models if x is not None), key=lambda x: x.__name__)
     _, schemas = models_json_schema(
         [(x, "validation") for x in used], ref_template="#/components/schemas/{model}"
@@ -137,10 +154,13 @@ def document() -> dict[str, Any]:
             }
         if resp is m.PoolCreated:  # a new pool is 201; an existing one of that name is 200
             op["responses"]["201"] = {**ok, "description": "Created"}
+        anthropic_route = path.startswith("/v1/messages")
         for code, why in ERRORS.items():
             op["responses"][code] = {
                 "description": f"{why}; `error.reason` says which (see ErrorDetail.reason)",
-                "content": {"application/json": {"schema": ERROR}},
+                "content": {
+                    "application/json": {"schema": ANTHROPIC_ERROR if anthropic_route else ERROR}
+                },
             }
         paths.setdefault(path, {})[method] = op
     return {

@@ -574,7 +574,7 @@ class Engine:
         slot.state = "prefill"
         slot.prompt = task.prompt
         slot.n_prompt_done = keep
-        slot.n_cached = keep
+        slot.n_cached = task.n_cached = keep
         slot.generated = []
         slot.pending = None
         slot.assembler = TextAssembler(list(task.stop.stops))

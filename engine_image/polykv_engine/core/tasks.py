@@ -108,5 +108,6 @@ class GenerateTask:
     pool: Pool | None = None
     pool_fallback: str | None = None  # why the pool could not be used (served without it)
     shared_prefix: int = 0
+    n_cached: int = 0  # prompt tokens reused from KV, known once the task holds its slot
     slot_id: int = -1
     prev_tps: float = 0.0  # the session's experienced tps at the end of its previous turn

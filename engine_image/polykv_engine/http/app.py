@@ -24,7 +24,7 @@ from polykv_engine.http.errors import BODY_LIMIT, DEFAULT_REASONS, ApiError
 from polykv_engine.http.mailbox import loop_turns
 from polykv_engine.http.metrics import ComputeThreads, build_registry
 from polykv_engine.http.offload import WORKER, LargeStackExecutor
-from polykv_engine.http.routes import inference, info, pools
+from polykv_engine.http.routes import inference, info, messages, pools
 
 log = logging.getLogger("polykv.http")
 
@@ -38,9 +38,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except ApiError as exc:
-        return exc.response()
+        return exc.response(request.path)
     except web.HTTPRequestEntityTooLarge as exc:
-        return ApiError(413, f"request body too large: {exc.text}").response()
+        return ApiError(413, f"request body too large: {exc.text}").response(request.path)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -52,12 +52,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             message,
             headers={"Allow": exc.headers.get("Allow", "")} if exc.status == 405 else None,
             reason=DEFAULT_REASONS.get(exc.status, "invalid_request"),
-        ).response()
+        ).response(request.path)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return ApiError(500, "internal server error (logged)", "server_error").response()
+        error = ApiError(500, "internal server error (logged)", "server_error")
+        return error.response(request.path)
 
 
 @web.middleware
@@ -109,6 +110,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
     app[HTTP_COUNTER] = http_counter
     info.add_routes(app)
     inference.add_routes(app)
+    messages.add_routes(app)
     pools.add_routes(app)
 
     async def start_gate(_: web.Application) -> None:

@@ -45,6 +45,19 @@ DEFAULT_REASONS: dict[int, Reason] = {
     501: "not_supported",
 }
 
+# Anthropic's error types by status (its API reference); 503 is how this engine says
+# "overloaded" (a full queue, shutting down, loading).
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATHS = ("/v1/messages",)  # routes whose errors take Anthropic's shape
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -76,8 +89,20 @@ class ApiError(Exception):
         detail = {"code": self.status, "message": self.message, "type": self.type}
         return {"error": {**detail, "reason": self.reason, **self.extra}}
 
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+    def response(self, path: str = "") -> web.Response:
+        """The error as an HTTP response, in the shape of the API ``path`` belongs to."""
+        body = anthropic_error(self) if path.startswith(ANTHROPIC_PATHS) else self.body()
+        return web.json_response(body, status=self.status, headers=self.headers)
+
+
+def anthropic_error(exc: ApiError) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type", "message"}}``, plus PolyKV's ``reason``."""
+    fallback = "api_error" if exc.status >= 500 else "invalid_request_error"
+    kind = ANTHROPIC_TYPES.get(exc.status, fallback)
+    return {
+        "type": "error",
+        "error": {"type": kind, "message": exc.message, "reason": exc.reason, **exc.extra},
+    }
 
 
 def validation_message(exc: ValidationError) -> str:

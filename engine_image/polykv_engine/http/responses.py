@@ -15,7 +15,9 @@ from typing import Any, Literal
 
 from polykv_api.models import Timings
 from polykv_engine.chat.tools import ArgsDelta, CallStart, ContentDelta, Delta, ToolCallParser
-from polykv_engine.core.tasks import GenerationResult, TokenEvent
+from polykv_engine.core.tasks import GenerateTask, GenerationResult, TokenEvent
+from polykv_engine.http.errors import ApiError
+from polykv_engine.http.sse import Payload
 from polykv_engine.llama.runtime import TokenLogprobs
 
 Route = Literal["completion", "oai_completion", "oai_chat"]
@@ -116,7 +118,9 @@ class Logprobs:
 
 
 class ResponseBuilder:
-    """Builds the bodies of one completion request, streamed or not."""
+    """Builds the bodies of one completion request, streamed or not (an ``sse.Wire``)."""
+
+    keepalive = b": keep-alive\n\n"
 
     def __init__(
         self,
@@ -203,7 +207,19 @@ class ResponseBuilder:
 
     # ------------------------------------------------------------------ stream chunks
 
-    def chunks(self, ev: TokenEvent) -> list[dict[str, Any]]:
+    def stream_start(self, task: GenerateTask) -> list[Payload]:
+        return []
+
+    def stream_tail(self, r: GenerationResult | None, include_usage: bool) -> list[Payload]:
+        if self.route == "completion":
+            return []
+        usage_chunk: list[Payload] = [self.usage_chunk(r)] if include_usage and r else []
+        return [*usage_chunk, "[DONE]"]
+
+    def stream_error(self, err: ApiError) -> list[Payload]:
+        return [err.body()]
+
+    def chunks(self, ev: TokenEvent) -> list[Payload]:
         """What one engine event becomes on the wire (often one chunk, sometimes none)."""
         if ev.logprobs is not None:
             self._pending.append(ev.logprobs)
@@ -233,7 +249,7 @@ class ResponseBuilder:
         out, self._pending = self._pending, []
         return out
 
-    def _chat_chunks(self, deltas: list[Delta]) -> list[dict[str, Any]]:
+    def _chat_chunks(self, deltas: list[Delta]) -> list[Payload]:
         delta: dict[str, Any] = {}
         content = "".join(d.text for d in deltas if isinstance(d, ContentDelta))
         if content:
@@ -265,11 +281,11 @@ class ResponseBuilder:
             self._oai_chunk({"index": 0, "delta": delta, "logprobs": probs, "finish_reason": None})
         ]
 
-    def stream_final(self, r: GenerationResult) -> list[dict[str, Any]]:
+    def stream_final(self, r: GenerationResult) -> list[Payload]:
         """The closing chunk(s): what the parser still held, the finish reason, timings."""
         if self.route == "completion":
             return [self._native_final(r, "", stream=True)]
-        out: list[dict[str, Any]] = []
+        out: list[Payload] = []
         calls = False
         if self.route == "oai_completion":
             rest = self.logprobs.openai_completion(self._take()) if self.logprobs else None

@@ -97,12 +97,45 @@ def _prepare(node: Any, path: str, ranges: list[tuple[int | None, int | None]]) 
     return {k: _prepare(v, f"{path}.{k}", ranges) for k, v in node.items()}
 
 
+# Keywords that only annotate. A subschema made of these alone ({"description": ...})
+# accepts any value in JSON Schema; the converter knows only {} (as "any object") and
+# refuses the rest, so such subschemas are spelt out as every type (Claude Code's tools
+# have them).
+_ANNOTATIONS = {
+    "description", "title", "default", "examples", "$comment", "deprecated", "readOnly",
+    "writeOnly", "$schema", "$id",
+}  # fmt: skip
+_ANY_VALUE = {"type": ["string", "number", "boolean", "object", "array", "null"]}
+
+
+def _open_schemas(node: Any) -> Any:
+    """``node`` with every annotation-only subschema replaced by ``_ANY_VALUE`` (walked by
+    position: keys of ``properties`` are names, not keywords)."""
+    if not isinstance(node, dict):
+        return node
+    if node and node.keys() <= _ANNOTATIONS:
+        return _ANY_VALUE
+    out = dict(node)
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(node.get(key), dict):
+            out[key] = {name: _open_schemas(sub) for name, sub in node[key].items()}
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        if isinstance(node.get(key), list):
+            out[key] = [_open_schemas(sub) for sub in node[key]]
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            out[key] = _open_schemas(node[key])
+    return out
+
+
 def _digits_upto(lo: str, hi: str) -> str:
     """Same-length digit strings from lo to hi, as a GBNF alternation (no sign)."""
     if not lo:
         return '""'
     if lo == hi:
         return f'"{lo}"'
+    if lo == "0" * len(lo) and hi == "9" * len(hi):  # every digit string: without this the
+        return f"[0-9]{{{len(lo)}}}"  # two ends recurse apart, 2^digits terms (6 MB at 2^53)
     if lo[0] == hi[0]:
         return f'"{lo[0]}" ({_digits_upto(lo[1:], hi[1:])})'
     n = len(lo) - 1
@@ -152,7 +185,7 @@ def from_schema(schema: Mapping[str, Any]) -> str:
     except SchemaBoundError as exc:
         raise GrammarError(f"json_schema{exc}", reason="schema_too_large") from exc
     ranges: list[tuple[int | None, int | None]] = []
-    prepared = _prepare(schema, "", ranges)
+    prepared = _prepare(_open_schemas(schema), "", ranges)
     try:
         gbnf = _CHAR_RULE.sub(lambda _: _JSON_CHAR, str(json_schema_to_gbnf(json.dumps(prepared))))
         for i, (lo, hi) in enumerate(ranges):

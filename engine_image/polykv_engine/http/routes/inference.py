@@ -14,6 +14,7 @@ import math
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -23,6 +24,7 @@ from polykv_api.models import (
     SESSION_ID_PATTERN,
     ApplyTemplateRequest,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     OAICompletionRequest,
@@ -46,6 +48,7 @@ from polykv_engine.http.errors import ApiError, body_bytes, parse
 from polykv_engine.http.mailbox import mailbox
 from polykv_engine.http.offload import offload
 from polykv_engine.http.responses import Logprobs, ResponseBuilder
+from polykv_engine.http.sse import Wire, frame
 from polykv_engine.ids import decimal
 from polykv_engine.llama.grammar import ANY_JSON_OBJECT, Grammar, GrammarError
 from polykv_engine.llama.grammar import from_schema as grammar_from_schema
@@ -101,7 +104,7 @@ class QueueSink:
             self._mailbox.post(self.queue, *held)
 
 
-def _repeat_last_n(ctx: AppContext, req: SamplingFields) -> int:
+def check_repeat_last_n(ctx: AppContext, req: SamplingFields) -> int:
     """``repeat_last_n`` as llama.cpp gets it: -1 is the slot's whole context (as in
     llama-server); more than the context would size a ring buffer for tokens that cannot
     exist (2**31 of them: 8 GiB, allocated on the engine thread)."""
@@ -149,7 +152,7 @@ def _schema_grammar(schema: dict[str, Any], field: str) -> Grammar:
         raise ApiError(400, f"{field}: {exc}", reason=exc.reason) from exc
 
 
-def _task_from(
+def task_from(
     req: SamplingFields,
     prompt: list[int],
     n_predict: int,
@@ -158,14 +161,19 @@ def _task_from(
     grammar: Grammar | None = None,
     logprobs: int | None = None,
     preserved: frozenset[int] = frozenset(),
+    stops: list[str] | None = None,
 ) -> GenerateTask:
     session = req.session_id or request.headers.get("x-session-id") or None
     if session is not None and not SESSION_ID_RE.fullmatch(session):
         raise ApiError(400, "x-session-id: 1-256 visible ASCII characters (no spaces)")
     return GenerateTask(
         prompt=prompt,
-        sampling=_sampling(req, grammar, _repeat_last_n(ctx_of(request), req)),
-        stop=StopParams(n_predict=n_predict, stops=tuple(req.stop), ignore_eos=req.ignore_eos),
+        sampling=_sampling(req, grammar, check_repeat_last_n(ctx_of(request), req)),
+        stop=StopParams(
+            n_predict=n_predict,
+            stops=tuple(req.stop if stops is None else stops),
+            ignore_eos=req.ignore_eos,
+        ),
         logprobs=logprobs,
         preserved_tokens=preserved,
         sink=sink,
@@ -219,13 +227,13 @@ def _headers(
     return headers
 
 
-async def _run(
+async def run(
     request: web.Request,
     ctx: AppContext,
     req: SamplingFields,
     task: GenerateTask,
     sink: QueueSink,
-    builder: ResponseBuilder,
+    builder: Wire,
     include_usage: bool = False,
 ) -> web.StreamResponse:
     if ctx.draining:
@@ -268,7 +276,7 @@ async def _whole(
     req: SamplingFields,
     task: GenerateTask,
     sink: QueueSink,
-    builder: ResponseBuilder,
+    builder: Wire,
     extra_headers: dict[str, str],
 ) -> web.Response:
     events: list[TokenEvent] = []
@@ -290,26 +298,13 @@ def _api_error(ev: ErrorEvent) -> ApiError:
     return ApiError(ev.status, ev.message, ev.type, headers=headers, reason=ev.reason)
 
 
-# Unicode line breaks that JSON leaves raw: SSE splits lines at CR and LF only, but many
-# clients split at every Unicode line break (Python's str.splitlines, httpx's iter_lines),
-# and a token carrying one would cut its event in two. Escaped, they decode the same.
-_LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
-
-
-def _sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    if not data.isascii():
-        data = data.translate(_LINE_BREAKS)
-    return f"data: {data}\n\n".encode()
-
-
 async def _stream(
     request: web.Request,
     ctx: AppContext,
     req: SamplingFields,
     task: GenerateTask,
     sink: QueueSink,
-    builder: ResponseBuilder,
+    builder: Wire,
     include_usage: bool,
     extra_headers: dict[str, str],
 ) -> web.StreamResponse:
@@ -332,6 +327,7 @@ async def _stream(
         }
     )
     await resp.prepare(request)
+    opening = [frame(p) for p in builder.stream_start(task)]
 
     async def send(data: bytes) -> None:
         # A peer that stopped reading (half-open, gone) blocks the write: give up on it.
@@ -350,28 +346,27 @@ async def _stream(
     ev: Event | None = first
     result: GenerationResult | None = None
     while True:
-        out: list[bytes] = []
+        out, opening = opening, []
         if ev is None:
-            out.append(b": keep-alive\n\n")
+            out.append(builder.keepalive)
         while isinstance(ev, TokenEvent):  # every token already here goes in one write
-            out.extend(_sse(chunk) for chunk in builder.chunks(ev))
+            out.extend(frame(chunk) for chunk in builder.chunks(ev))
             ev = sink.queue.get_nowait() if not sink.queue.empty() else None
             if ev is None:
                 break
         if isinstance(ev, DoneEvent):
             result = ev.result
-            out.extend(_sse(final) for final in builder.stream_final(result))
+            out.extend(frame(final) for final in builder.stream_final(result))
         elif isinstance(ev, ErrorEvent):
-            out.append(_sse(_api_error(ev).body()))
+            out.extend(frame(p) for p in builder.stream_error(_api_error(ev)))
         if out:
             await send(b"".join(out))
         if isinstance(ev, DoneEvent | ErrorEvent):
             break
         ev = await next_event()
-    if builder.route != "completion":
-        if include_usage and result is not None:
-            await send(_sse(builder.usage_chunk(result)))
-        await send(_sse("[DONE]"))
+    tail = builder.stream_tail(result, include_usage)
+    if tail:
+        await send(b"".join(frame(p) for p in tail))
     await resp.write_eof()
     return resp
 
@@ -385,7 +380,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
     req = await parse(request, CompletionRequest)
     if req.grammar is not None and req.json_schema is not None:
         raise ApiError(400, "give grammar or json_schema, not both")
-    _repeat_last_n(ctx, req)
+    check_repeat_last_n(ctx, req)
 
     def prepare() -> tuple[Grammar | None, list[int]]:
         grammar = Grammar(req.grammar) if req.grammar is not None else None
@@ -396,7 +391,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
 
     grammar, prompt = await offload(request, body_bytes(request), prepare)
     sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
-    task = _task_from(
+    task = task_from(
         req,
         prompt,
         req.limit(),
@@ -407,74 +402,116 @@ async def completion(request: web.Request) -> web.StreamResponse:
     )
     probs = Logprobs(ctx.token_piece) if req.n_probs > 0 else None
     builder = ResponseBuilder("completion", ctx.model_name, logprobs=probs)
-    return await _run(request, ctx, req, task, sink, builder)
+    return await run(request, ctx, req, task, sink, builder)
 
 
 async def oai_completion(request: web.Request) -> web.StreamResponse:
     ctx = ctx_of(request)
     req = await parse(request, OAICompletionRequest)
-    _repeat_last_n(ctx, req)
+    check_repeat_last_n(ctx, req)
     prompt = await offload(request, body_bytes(request), ctx.tokenize_prompt, req.prompt)
     sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     n_predict = -1 if req.max_tokens is None else req.max_tokens
-    task = _task_from(req, prompt, n_predict, request, sink, logprobs=req.logprobs)
+    task = task_from(req, prompt, n_predict, request, sink, logprobs=req.logprobs)
     echo = req.prompt if req.echo and isinstance(req.prompt, str) else None
     probs = Logprobs(ctx.token_piece) if req.logprobs is not None else None
     builder = ResponseBuilder("oai_completion", req.model or ctx.model_name, echo, logprobs=probs)
     usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await _run(request, ctx, req, task, sink, builder, usage)
+    return await run(request, ctx, req, task, sink, builder, usage)
 
 
-def _response_format(req: ChatCompletionRequest) -> Grammar | None:
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """A chat request made ready for the engine: tool plan, grammar, prompt tokens."""
+
+    plan: ToolPlan | None
+    grammar: Grammar | None
+    prompt: list[int]
+    preserved: frozenset[int]  # special tokens the output shows as text (tool markers)
+
+    def parser(self) -> ToolCallParser | None:
+        plan = self.plan
+        return ToolCallParser(plan.fmt) if plan is not None and plan.parse else None
+
+
+OutputSchema = tuple[dict[str, Any] | None, str]
+"""A constraint on the reply: the JSON schema (None: any JSON object), and its field."""
+
+
+def prepare_chat(
+    ctx: AppContext,
+    messages: list[ChatMessage],
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    parallel_tool_calls: bool,
+    output: OutputSchema | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> PreparedChat:
+    """Tools planned, grammars compiled and checked, the template rendered and tokenized:
+    the heavy part of every chat route, run off the event loop (``offload``)."""
+    try:
+        plan = tool_plan(ctx.tool_format, tools, tool_choice, parallel_tool_calls)
+    except ToolError as exc:
+        raise ApiError(400, str(exc)) from exc
+    except GrammarError as exc:
+        raise ApiError(400, f"tools: {exc}", reason=exc.reason) from exc
+    grammar, field = None, "tools"
+    if output is not None:
+        schema, field = output
+        grammar = Grammar(ANY_JSON_OBJECT) if schema is None else _schema_grammar(schema, field)
+        if plan is not None and plan.mode != "none":
+            name = field.split(".")[0]
+            raise ApiError(400, f"{name} with tools: constrain one or the other, not both")
+    if plan is not None and grammar is None:
+        grammar = plan.grammar
+    grammar = _checked(ctx, grammar, field)
+    text = ctx.render_messages(messages, tools, True, template_kwargs)
+    prompt = ctx.check_prompt_fits(ctx.rt.tokenize(text, add_special=True, parse_special=True))
+    preserved = ctx.special_tokens(plan.markers) if plan is not None else frozenset()
+    return PreparedChat(plan, grammar, prompt, preserved)
+
+
+def _response_format(req: ChatCompletionRequest) -> OutputSchema | None:
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
     schema, field = fmt.schema_field()
-    return Grammar(ANY_JSON_OBJECT) if schema is None else _schema_grammar(schema, field)
+    return schema, field if schema is not None else "response_format"
 
 
 async def oai_chat(request: web.Request) -> web.StreamResponse:
     ctx = ctx_of(request)
     req = await parse(request, ChatCompletionRequest)
-    _repeat_last_n(ctx, req)
-
-    def prepare() -> tuple[ToolPlan | None, Grammar | None, list[int], frozenset[int]]:
-        try:
-            plan = tool_plan(ctx.tool_format, req.tools, req.tool_choice, req.parallel_tool_calls)
-        except ToolError as exc:
-            raise ApiError(400, str(exc)) from exc
-        except GrammarError as exc:
-            raise ApiError(400, f"tools: {exc}", reason=exc.reason) from exc
-        grammar = _response_format(req)
-        if grammar is not None and plan is not None and plan.mode != "none":
-            raise ApiError(400, "response_format with tools: constrain one or the other, not both")
-        field = "response_format"
-        if plan is not None and grammar is None:
-            grammar, field = plan.grammar, "tools"
-        grammar = _checked(ctx, grammar, field)
-        text = ctx.render_chat(req)
-        prompt = ctx.check_prompt_fits(ctx.rt.tokenize(text, add_special=True, parse_special=True))
-        preserved = ctx.special_tokens(plan.markers) if plan is not None else frozenset()
-        return plan, grammar, prompt, preserved
-
-    plan, grammar, prompt, preserved = await offload(request, body_bytes(request), prepare)
+    check_repeat_last_n(ctx, req)
+    chat = await offload(
+        request,
+        body_bytes(request),
+        prepare_chat,
+        ctx,
+        req.messages,
+        req.tools,
+        req.tool_choice,
+        req.parallel_tool_calls,
+        _response_format(req),
+        req.chat_template_kwargs,
+    )
     sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    task = _task_from(
+    task = task_from(
         req,
-        prompt,
+        chat.prompt,
         -1 if limit is None else limit,
         request,
         sink,
-        grammar=grammar,
+        grammar=chat.grammar,
         logprobs=req.top_logprobs if req.logprobs else None,
-        preserved=preserved,
+        preserved=chat.preserved,
     )
-    parser = ToolCallParser(plan.fmt) if plan is not None and plan.parse else None
     probs = Logprobs(ctx.token_piece) if req.logprobs else None
-    builder = ResponseBuilder("oai_chat", req.model or ctx.model_name, tools=parser, logprobs=probs)
+    model = req.model or ctx.model_name
+    builder = ResponseBuilder("oai_chat", model, tools=chat.parser(), logprobs=probs)
     usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await _run(request, ctx, req, task, sink, builder, usage)
+    return await run(request, ctx, req, task, sink, builder, usage)
 
 
 async def apply_template(request: web.Request) -> web.Response:
