@@ -1,7 +1,7 @@
 """Charts committed beside the benchmark results, where a picture says more than a table.
 
 matplotlib with the Agg backend (files only, no display). Each function takes the results
-document a benchmark wrote (its JSON) and returns the PNGs it wrote; ``H.publish`` links them
+document a benchmark wrote (its JSON) and returns the PNGs it wrote; ``report.publish`` links them
 under the benchmark's table.
 """
 

@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import functools
 import os
-import random
 import statistics
 import subprocess
 import threading
@@ -45,7 +43,10 @@ from typing import Any, Protocol
 import httpx
 
 from . import harness as H
+from . import report as R
 from .direct_decode import direct_decode_ms
+from .model_file import eog_tokens
+from .workload import note_prompt
 
 NAME = "decode_scaling"
 LEVELS = (1, 2, 4, 8)
@@ -59,47 +60,6 @@ TARGET_OUTSIDE_SHARE = 0.10
 TARGET_SCALING = 3.0
 
 # ---------------------------------------------------------------------------- prompts
-
-_WORDS = (  # noqa: SIM905
-    "the river city morning light garden window story old friend quiet market winter "
-    "train letter music road table house evening summer child teacher paper bridge "
-    "forest mountain small bright cold long early simple warm green blue open walked "
-    "found carried asked watched opened remembered"
-).split()
-
-
-def make_prompt(rep: int, k: int, i: int, n_words: int) -> str:
-    """A deterministic prompt, distinct per (repeat, level, session)."""
-    rng = random.Random(f"{rep}/{k}/{i}")
-    words = [rng.choice(_WORDS) for _ in range(n_words)]
-    return f"Note {rep * 100 + k * 10 + i}: " + " ".join(words).capitalize() + "."
-
-
-def _quiet_llama(level: int, text: bytes, user: ctypes.c_void_p) -> None:
-    return None
-
-
-_callbacks: list[Any] = []  # libllama keeps a raw pointer: the ctypes callback must outlive it
-
-
-def eog_tokens(model: Path) -> list[int]:
-    """Token ids llama.cpp treats as end of generation (for the baseline's logit_bias)."""
-    import llama_cpp.llama_cpp as C
-
-    if not _callbacks:
-        _callbacks.append(C.llama_log_callback(_quiet_llama))
-        C.llama_log_set(_callbacks[0], ctypes.c_void_p(0))
-    params = C.llama_model_default_params()
-    params.vocab_only = True
-    handle = C.llama_model_load_from_file(str(model).encode(), params)
-    if not handle:
-        raise H.BenchError(f"cannot read the vocabulary of {model}")
-    try:
-        vocab = C.llama_model_get_vocab(handle)
-        n = int(C.llama_vocab_n_tokens(vocab))
-        return [t for t in range(n) if C.llama_vocab_is_eog(vocab, t)]
-    finally:
-        C.llama_model_free(handle)
 
 
 # ---------------------------------------------------------------------------- servers
@@ -331,7 +291,7 @@ def _anatomy(d: dict[str, float], wall: float | None) -> dict[str, float]:
 def run_level(
     client: httpx.Client, target: Target, k: int, n_predict: int, rep: int, n_words: int
 ) -> dict[str, Any]:
-    prompts = [make_prompt(rep, k, i, n_words) for i in range(k)]
+    prompts = [note_prompt(rep, k, i, n_words) for i in range(k)]
     counts = TokenCounts(k)
     margin = max(2, n_predict // 8)
     window: dict[str, Any] = {}
@@ -445,7 +405,7 @@ def warm_up(client: httpx.Client, target: Target, k: int) -> None:
     H.run_together(
         [
             functools.partial(
-                run_session, client, target, make_prompt(99, k, i, 8), 8, f"warm-{i}", counts, i
+                run_session, client, target, note_prompt(99, k, i, 8), 8, f"warm-{i}", counts, i
             )
             for i in range(k)
         ],
@@ -456,7 +416,7 @@ def warm_up(client: httpx.Client, target: Target, k: int) -> None:
 def measure(cfg: Config) -> dict[str, Any]:
     """Run every (server, level, repeat) and return the raw numbers."""
     model = H.bench_model()
-    env = H.environment()
+    env = R.environment()
     model_info = {
         "path": str(model.relative_to(H.REPO_ROOT) if model.is_relative_to(H.REPO_ROOT) else model),
         "bytes": model.stat().st_size,
@@ -555,10 +515,6 @@ def measure(cfg: Config) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- analysis
 
 
-def _summ(values: Sequence[float]) -> H.Summary:
-    return H.summarize(values)
-
-
 def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = raw["runs"]
     out: dict[str, Any] = {"levels": {}, "ratios": {}, "targets": {}}
@@ -571,19 +527,21 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
         for k in sorted({r["k"] for r in key_runs}):
             rs = at(key, k)
             s: dict[str, Any] = {
-                "decode_tps": _summ([r["decode_tps"] for r in rs]).as_dict(),
-                "e2e_tps": _summ([r["e2e_tps"] for r in rs]).as_dict(),
-                "session_tps_median": _summ(
+                "decode_tps": H.summarize([r["decode_tps"] for r in rs]).as_dict(),
+                "e2e_tps": H.summarize([r["e2e_tps"] for r in rs]).as_dict(),
+                "session_tps_median": H.summarize(
                     [statistics.median(r["session_tps"]) for r in rs]
                 ).as_dict(),
-                "ttft_ms_median": _summ([statistics.median(r["ttft_ms"]) for r in rs]).as_dict(),
-                "ttft_ms_max": _summ([max(r["ttft_ms"]) for r in rs]).as_dict(),
-                "foreign_cpu_cores": _summ([r["foreign_cpu_cores"] for r in rs]).as_dict(),
+                "ttft_ms_median": H.summarize(
+                    [statistics.median(r["ttft_ms"]) for r in rs]
+                ).as_dict(),
+                "ttft_ms_max": H.summarize([max(r["ttft_ms"]) for r in rs]).as_dict(),
+                "foreign_cpu_cores": H.summarize([r["foreign_cpu_cores"] for r in rs]).as_dict(),
             }
             windows = [r["window"] for r in rs if r.get("window")]
             if windows:
                 s["window"] = {
-                    f: _summ([w[f] for w in windows]).as_dict()
+                    f: H.summarize([w[f] for w in windows]).as_dict()
                     for f in (
                         "steps",
                         "decode_ms",
@@ -595,7 +553,7 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
                     )
                 }
             if any(r.get("whole_run") for r in rs):
-                s["whole_run_outside_share_of_step"] = _summ(
+                s["whole_run_outside_share_of_step"] = H.summarize(
                     [r["whole_run"]["outside_share_of_step"] for r in rs]
                 ).as_dict()
             per_k[str(k)] = s
@@ -604,7 +562,7 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
     def paired(a_key: str, a_k: int, b_key: str, b_k: int, field_: str) -> H.Summary | None:
         a, b = at(a_key, a_k), at(b_key, b_k)
         pairs = [(x[field_], y[field_]) for x in a for y in b if x["rep"] == y["rep"]]
-        return _summ([x / y for x, y in pairs]) if pairs else None
+        return H.summarize([x / y for x, y in pairs]) if pairs else None
 
     for key in runs:
         for k in cfg.levels:
@@ -636,10 +594,11 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
     direct = raw.get("direct") or []
     if direct:
         out["direct_decode_ms"] = {
-            str(k): _summ([d["decode_ms"][str(k)] for d in direct]).as_dict() for k in cfg.levels
+            str(k): H.summarize([d["decode_ms"][str(k)] for d in direct]).as_dict()
+            for k in cfg.levels
         }
         for k in cfg.levels:
-            out["ratios"][f"direct/scaling/{k}"] = _summ(
+            out["ratios"][f"direct/scaling/{k}"] = H.summarize(
                 [k * d["decode_ms"]["1"] / d["decode_ms"][str(k)] for d in direct]
             ).as_dict()
 
@@ -679,16 +638,6 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- report
 
 
-def _fmt(d: dict[str, Any] | None, digits: int = 0, scale: float = 1.0, unit: str = "") -> str:
-    if not d:
-        return "–"
-    return H.Summary(tuple(d["values"])).fmt(digits, scale, unit)
-
-
-def _med(d: dict[str, Any] | None, digits: int = 2, unit: str = "") -> str:
-    return "–" if not d else f"{d['median']:.{digits}f}{unit}"
-
-
 def _versus(res: dict[str, Any], levels: Sequence[int], e_key: str, b_key: str) -> list[list[str]]:
     """Rows of the PolyKV-against-baseline table for one model."""
     eng, base, ra = res["levels"].get(e_key, {}), res["levels"].get(b_key, {}), res["ratios"]
@@ -698,13 +647,13 @@ def _versus(res: dict[str, Any], levels: Sequence[int], e_key: str, b_key: str) 
         rows.append(
             [
                 str(k),
-                _fmt(e.get("decode_tps")),
-                _med(ra.get(f"{e_key}/scaling/{k}"), 2, "×"),
-                _fmt(b.get("decode_tps")),
-                _med(ra.get(f"{b_key}/scaling/{k}"), 2, "×"),
-                _fmt(ra.get(f"{e_key}_over_{b_key}/decode_tps/{k}"), 2, unit="×"),
-                _med(ra.get(f"{e_key}_over_{b_key}/e2e_tps/{k}"), 2, "×"),
-                f"{_med(e.get('ttft_ms_max'), 0)} / {_med(b.get('ttft_ms_max'), 0)}",
+                R.fmt(e.get("decode_tps")),
+                R.med(ra.get(f"{e_key}/scaling/{k}"), 2, unit="×"),
+                R.fmt(b.get("decode_tps")),
+                R.med(ra.get(f"{b_key}/scaling/{k}"), 2, unit="×"),
+                R.fmt(ra.get(f"{e_key}_over_{b_key}/decode_tps/{k}"), 2, unit="×"),
+                R.med(ra.get(f"{e_key}_over_{b_key}/e2e_tps/{k}"), 2, unit="×"),
+                f"{R.med(e.get('ttft_ms_max'), 0)} / {R.med(b.get('ttft_ms_max'), 0)}",
             ]
         )
     return rows
@@ -743,13 +692,13 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         "same, end-to-end",
         "first token, slowest session (ms): PolyKV / llama-cpp-python",
     ]
-    lines += [H.markdown_table(headers, _versus(res, cfg.levels, "polykv", "llama-cpp")), ""]
+    lines += [R.markdown_table(headers, _versus(res, cfg.levels, "polykv", "llama-cpp")), ""]
     if lv.get("polykv-real"):
         lines += [
             f"The same on a real quantized instruction model, `{cfg.real_model}` "
             "(SmolLM2-135M-Instruct, Q4_1, from PyPI via `polykv-fetch-model`):",
             "",
-            H.markdown_table(
+            R.markdown_table(
                 headers, _versus(res, cfg.real_levels, "polykv-real", "llama-cpp-real")
             ),
             "",
@@ -770,17 +719,17 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         rows.append(
             [
                 str(k),
-                _fmt(w["decode_ms"], 1),
-                _fmt(w["step_ms"], 1),
-                _fmt(w["outside_share_of_step"], 1, 100, "%"),
-                _fmt(w["cycle_ms"], 1),
-                _fmt(w["outside_share_of_cycle"], 1, 100, "%"),
-                _fmt(direct.get(str(k)), 1),
-                _med(ra.get(f"direct/scaling/{k}"), 2, "×"),
+                R.fmt(w["decode_ms"], 1),
+                R.fmt(w["step_ms"], 1),
+                R.fmt(w["outside_share_of_step"], 1, 100, "%"),
+                R.fmt(w["cycle_ms"], 1),
+                R.fmt(w["outside_share_of_cycle"], 1, 100, "%"),
+                R.fmt(direct.get(str(k)), 1),
+                R.med(ra.get(f"direct/scaling/{k}"), 2, unit="×"),
             ]
         )
     lines += [
-        H.markdown_table(
+        R.markdown_table(
             [
                 "sessions",
                 "in llama_decode (ms)",
@@ -833,7 +782,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             ]
         )
     if rows:
-        lines += [H.markdown_table(["target", "measured", "verdict"], rows), ""]
+        lines += [R.markdown_table(["target", "measured", "verdict"], rows), ""]
     w1 = eng.get("1", {}).get("window")
     wt = eng.get(str(top := max(cfg.levels)), {}).get("window")
     best = ra.get(f"direct/scaling/{top}")
@@ -870,20 +819,20 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         ]:
             row = [flags]
             for k in vk:
-                row.append(_fmt(lv[key].get(str(k), {}).get("decode_tps")))
+                row.append(R.fmt(lv[key].get(str(k), {}).get("decode_tps")))
                 row.append(
                     "1.00×"
                     if key == "polykv"
-                    else _med(ra.get(f"{key}_over_polykv/decode_tps/{k}"), 2, "×")
+                    else R.med(ra.get(f"{key}_over_polykv/decode_tps/{k}"), 2, unit="×")
                 )
-            row.append(_med(ra.get(f"{key}/scaling/{top_v}"), 2, "×") if 1 in vk else "–")
+            row.append(R.med(ra.get(f"{key}/scaling/{top_v}"), 2, unit="×") if 1 in vk else "–")
             rows.append(row)
         lines += [
             "Engine settings on this CPU (PolyKV decode tok/s, same workload; `-fa auto` "
             "means on where layers run on the CPU, `-t 0` means every core this process may "
             "use):",
             "",
-            H.markdown_table(headers, rows),
+            R.markdown_table(headers, rows),
             "",
         ]
     same = res["k1_same_greedy_text"]
@@ -930,8 +879,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=REAL_MODEL,
         help=f"a polykv-fetch-model name measured beside the bench model ('' skips; {REAL_MODEL})",
     )
-    H.add_output_flags(p)
+    R.add_output_flags(p, rerender=True)
     args = p.parse_args(argv)
+    if args.from_json:
+        return R.rerender(
+            NAME,
+            args.from_json,
+            Config,
+            analyse,
+            render,
+            publish_files=not args.no_publish,
+            docs=not args.no_docs,
+        )
     cfg = Config(
         reps=args.reps,
         n_predict=args.n_predict,
@@ -949,7 +908,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--reps must be >= 1 and --n-predict >= 16")
     if 1 not in cfg.levels:
         p.error("--levels must include 1 (the reference for scaling)")
-    return H.run_and_publish(NAME, cfg, args, measure, analyse, render)
+    return R.run_and_publish(NAME, cfg, args, measure, analyse, render)
 
 
 if __name__ == "__main__":

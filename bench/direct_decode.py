@@ -13,7 +13,6 @@ libllama and its OpenMP threads never live in the benchmark client's process.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -27,13 +26,7 @@ from typing import Any
 from polykv_engine.llama.omp import apply_omp_policy
 
 from . import harness as H
-
-
-def _quiet_llama(level: int, text: bytes, user: ctypes.c_void_p) -> None:
-    return None
-
-
-_callbacks: list[Any] = []  # libllama keeps a raw pointer: the ctypes callback must outlive it
+from .model_file import quiet_llama_logs
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -44,8 +37,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     from polykv_engine.llama.runtime import init_backend
 
     init_backend()  # the per-CPU backend modules of the portable wheel, as the engine loads them
-    _callbacks.append(C.llama_log_callback(_quiet_llama))
-    C.llama_log_set(_callbacks[-1], ctypes.c_void_p(0))
+    quiet_llama_logs()
     model = C.llama_model_load_from_file(str(args.model).encode(), C.llama_model_default_params())
     if not model:
         raise H.BenchError(f"cannot load {args.model}")

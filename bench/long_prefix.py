@@ -35,7 +35,8 @@ from typing import Any
 import httpx
 
 from . import harness as H
-from .pool_sharing import Api, word_text
+from . import report as R
+from .engine_client import Api
 from .vs_llama_server import (
     _ls_env,
     agent_body,
@@ -44,6 +45,7 @@ from .vs_llama_server import (
     llama_server_info,
     warm_up,
 )
+from .workload import word_text
 
 NAME = "long_prefix"
 AGENTS = 8
@@ -181,7 +183,7 @@ def polykv_runs(api: Api, model: str, cfg: Config, rep: int) -> dict[str, Any]:
 
 
 def measure(cfg: Config, binary: str) -> dict[str, Any]:
-    raw: dict[str, Any] = {"env": H.environment(), "llama_server": llama_server_info(binary),
+    raw: dict[str, Any] = {"env": R.environment(), "llama_server": llama_server_info(binary),
                            "models": {}, "runs": []}  # fmt: skip
     for model in cfg.models:
         args = [*common_args(cfg, model), "--metrics", "--polykv-park-mib", "0"]
@@ -259,7 +261,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         [
             f"### Long shared prefixes: {AGENTS} agents, PolyKV pool vs llama-server",
             "",
-            H.markdown_table(head, rows),
+            R.markdown_table(head, rows),
             "",
             f"Both servers: `-np {AGENTS} -c C -t {cfg.threads} -fa {cfg.flash_attn}` with C = "
             f"{AGENTS} x (prefix + {SUFFIX_ROOM}); llama-server {ls['version']} built from the "
@@ -280,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--models", default=",".join(PREFIX_TOKENS))
     p.add_argument("--decode-tokens", type=int, default=64)
-    H.add_output_flags(p)
+    R.add_output_flags(p)
     args = p.parse_args(argv)
     models = tuple(args.models.split(","))
     if set(models) - set(PREFIX_TOKENS) or args.reps < 1:
@@ -292,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if binary is None:
         H.progress(f"SKIPPED {NAME}: llama-server cannot be built on this machine. {why}")
         return 0
-    return H.run_and_publish(NAME, cfg, args, lambda c: measure(c, binary), analyse, render)
+    return R.run_and_publish(NAME, cfg, args, lambda c: measure(c, binary), analyse, render)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ python -m bench.operator_scale --quick    # smoke run: small sizes, no files
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,6 +32,7 @@ from polykv_testenv.operator import OperatorProcess
 from polykv_testenv.waiting import wait_for
 
 from . import harness as H
+from . import report as R
 
 NAME = "operator_scale"
 NS = "bench"
@@ -246,7 +246,7 @@ def create_cost_ms(b: Bench, eng: str, reps: int = 9) -> tuple[float, float]:
 
 
 def measure(cfg: Config) -> dict[str, Any]:
-    out: dict[str, Any] = {"env": H.environment()}
+    out: dict[str, Any] = {"env": R.environment()}
     with tempfile.TemporaryDirectory(prefix="polykv-bench-") as tmp:
         root = Path(tmp)
         with (
@@ -423,7 +423,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             "< 10 s",
         ),
     ]
-    table = H.markdown_table(("measure", "result", "target"), [list(r) for r in rows])
+    table = R.markdown_table(("measure", "result", "target"), [list(r) for r in rows])
     return (
         "### Operator at scale: apply → Ready, 1,000 pools, idle cost, deletion\n\n"
         f"Local control plane, real engine processes (test model), operator at the shipped "
@@ -444,23 +444,23 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.operator_scale", description=__doc__)
     p.add_argument("--per-engine", type=int, default=200, help="pools per engine (5 engines)")
-    H.add_output_flags(p, rerender=True)
+    R.add_output_flags(p, rerender=True)
     args = p.parse_args(argv)
     if args.from_json:
-        return rerender(args.from_json, publish=not args.no_publish, docs=not args.no_docs)
+        return R.rerender(
+            NAME,
+            args.from_json,
+            Config,
+            analyse,
+            render,
+            publish_files=not args.no_publish,
+            docs=not args.no_docs,
+        )
     cfg = Config(per_engine=args.per_engine)
     if args.quick:
         cfg.applies, cfg.tree, cfg.engines, cfg.per_engine = 3, 20, 2, 20
         cfg.idle_s, cfg.delete_reps = 5.0, 1
-    return H.run_and_publish(NAME, cfg, args, measure, analyse, render, bulky=())
-
-
-def rerender(path: Path, publish: bool, docs: bool) -> int:
-    """Tables from an earlier measurement (its environment and commit stay as recorded)."""
-    data = json.loads(path.read_text())
-    cfg = Config(**data["config"])
-    raw = {k: v for k, v in data.items() if k not in ("benchmark", "config", "summary")}
-    return H.republish(NAME, data, cfg, raw, analyse, render, publish_files=publish, docs=docs)
+    return R.run_and_publish(NAME, cfg, args, measure, analyse, render, bulky=())
 
 
 if __name__ == "__main__":

@@ -49,21 +49,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import functools
-import json
 import os
-import random
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from . import harness as H
+from . import report as R
+from .engine_client import Api, SessionResult, completion_body, kv_state, run_one, run_sessions
+from .model_file import model_shape
+from .workload import SUFFIX_MAX, SUFFIX_MIN, Workload, make_workload
 
 NAME = "pool_sharing"
 LEVELS = (1, 4, 8)
@@ -71,7 +69,6 @@ N_PARALLEL = 8
 MAX_POOLS = 16
 CTX = 20480  # 8 unshared sessions of ~2.1k tokens must fit (the slot cap is the model's 16k)
 PREFIX_TOKENS = 2000
-SUFFIX_MIN, SUFFIX_MAX = 50, 100
 N_FORKS = 4
 SESSIONS_PER_FORK = 2
 TAIL_TOKENS = 200
@@ -88,207 +85,6 @@ MODE_LABELS = {
     "full": "no sharing",
     "cache": "per-slot cache, warm",
 }
-
-_WORDS = (  # noqa: SIM905
-    "the river city morning light garden window story old friend quiet market winter "
-    "train letter music road table house evening summer child teacher paper bridge "
-    "forest mountain small bright cold long early simple warm green blue open walked "
-    "found carried asked watched opened remembered"
-).split()
-
-
-def word_text(seed: str, n_words: int) -> str:
-    """Deterministic filler text."""
-    rng = random.Random(seed)
-    return " ".join(rng.choice(_WORDS) for _ in range(n_words))
-
-
-# ---------------------------------------------------------------------------- engine API
-
-
-@dataclass
-class Api:
-    """The engine's HTTP routes this benchmark (and spawn_ramp) uses."""
-
-    client: httpx.Client
-    base_url: str
-    pid: int
-
-    def url(self, path: str) -> str:
-        return f"{self.base_url}{path}"
-
-    def _json(self, method: str, path: str, **kw: Any) -> Any:
-        resp = self.client.request(method, self.url(path), **kw)
-        if resp.status_code >= 300:
-            raise H.BenchError(f"{method} {path} -> {resp.status_code}: {resp.text[:400]}")
-        return resp.json()
-
-    def get(self, path: str) -> Any:
-        return self._json("GET", path)
-
-    def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
-        return self._json("POST", path, json=body or {})
-
-    def tokenize(self, text: str, add_special: bool) -> list[int]:
-        out = self.post("/tokenize", {"content": text, "add_special": add_special})
-        return [int(t) for t in out["tokens"]]
-
-    def props(self) -> dict[str, Any]:
-        return dict(self.get("/props")["polykv"])
-
-    def pools(self) -> dict[str, Any]:
-        return dict(self.get("/polykv/pools"))
-
-    def create_pool(self, name: str, tokens: Sequence[int]) -> tuple[dict[str, Any], float]:
-        t0 = time.perf_counter()
-        out = self.post("/polykv/pools", {"name": name, "tokens": list(tokens)})
-        return dict(out), time.perf_counter() - t0
-
-    def fork_pool(
-        self, parent: str, name: str, tokens: Sequence[int], branch_pos: int
-    ) -> tuple[dict[str, Any], float]:
-        t0 = time.perf_counter()
-        body = {"name": name, "tokens": list(tokens), "branch_pos": branch_pos}
-        out = self.post(f"/polykv/pools/{parent}/fork", body)
-        return dict(out), time.perf_counter() - t0
-
-    def wait_idle(self, limit_s: float = 300.0) -> None:
-        """Until no slot is processing: a run's last requests may still be finishing after
-        its clients stopped waiting for them."""
-        deadline = time.monotonic() + limit_s
-        while any(s["is_processing"] for s in self.get("/slots")):
-            if time.monotonic() > deadline:
-                raise H.BenchError(f"slots still processing after {limit_s:.0f} s")
-            time.sleep(0.1)
-
-    def reset(self, n_slots: int, keep: Sequence[str] = ()) -> None:
-        """Every slot's cache erased, every pool but ``keep`` released (children first)."""
-        self.wait_idle()
-        for slot in range(n_slots):
-            self.post(f"/slots/{slot}?action=erase")
-        listing = self.pools()
-        for p in sorted(listing["pools"], key=lambda p: -int(p["depth"])):
-            if p["name"] not in keep:
-                self._json("DELETE", f"/polykv/pools/{p['pool_id']}")
-        after = self.pools()
-        kept = sum(int(p["own_kv_bytes"]) for p in after["pools"])
-        if after["kv_bytes_used"] != kept or len(after["pools"]) != len(keep):
-            raise H.BenchError(f"KV not reset: {after['kv_cells_used']} cells in use")
-
-
-@dataclass(frozen=True, slots=True)
-class SessionResult:
-    ttft_ms: float
-    server_prompt_ms: float
-    prompt_n: int
-    cache_n: int
-
-
-def run_one(api: Api, body: dict[str, Any]) -> SessionResult:
-    """Stream one completion; its first token event is its time to first token."""
-    t_send = time.perf_counter()
-    t_first = 0.0
-    final: dict[str, Any] = {}
-    for t, payload in H.sse_events(api.client, api.url("/completion"), body):
-        if payload.get("stop"):
-            final = payload
-        elif payload.get("tokens") and not t_first:
-            t_first = t
-    timings = final.get("timings") or {}
-    if not t_first or not timings:
-        raise H.BenchError(f"no token or no final event for a session: {final}")
-    return SessionResult(
-        ttft_ms=1e3 * (t_first - t_send),
-        server_prompt_ms=float(timings["prompt_ms"]),
-        prompt_n=int(timings["prompt_n"]),
-        cache_n=int(timings["cache_n"]),
-    )
-
-
-def completion_body(prompt: Sequence[int], **extra: Any) -> dict[str, Any]:
-    return {
-        "prompt": list(prompt),
-        "n_predict": 1,  # the first token is the whole answer: KV then holds the prompt only
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        **extra,
-    }
-
-
-def run_sessions(api: Api, bodies: Sequence[dict[str, Any]]) -> tuple[list[SessionResult], float]:
-    """Release every body at one instant; returns results and the other processes' cores."""
-    with H.CpuWatch([api.pid]) as cpu:
-        results = H.run_together([functools.partial(run_one, api, b) for b in bodies], lambda: None)
-    return results, cpu.foreign_cores
-
-
-def kv_state(api: Api) -> dict[str, Any]:
-    listing = api.pools()
-    sessions = [s for p in listing["pools"] for s in p["sessions"]]
-    sessions += listing["unpooled_sessions"]
-    return {
-        "bytes_per_token": listing["kv_bytes_per_token"],
-        "cells_used": listing["kv_cells_used"],
-        "cells_measured": listing["kv_cells_measured"],
-        "bytes_used": listing["kv_bytes_used"],
-        "pools": [
-            {
-                "name": p["name"],
-                "prefix_len": p["prefix_len"],
-                "branch_pos": p["branch_pos"],
-                "own_kv_bytes": p["own_kv_bytes"],
-                "subtree_kv_bytes": p["subtree_kv_bytes"],
-            }
-            for p in listing["pools"]
-        ],
-        "session_marginal_bytes": sorted(s["marginal_kv_bytes"] for s in sessions),
-    }
-
-
-# ---------------------------------------------------------------------------- workload
-
-
-@dataclass
-class Workload:
-    """Token lists, made once through the first engine's tokenizer (same model everywhere)."""
-
-    prefix: list[int]
-    stream: list[int]  # filler tokens cut into suffixes and tails
-    _next: int = 0
-    _suffixes: dict[tuple[int, int, str], list[list[int]]] = field(default_factory=dict)
-
-    def take(self, n: int) -> list[int]:
-        """The next ``n`` unused filler tokens."""
-        if self._next + n > len(self.stream):
-            raise H.BenchError("the filler token stream is exhausted: raise its size")
-        out = self.stream[self._next : self._next + n]
-        self._next += n
-        return out
-
-    def suffixes(self, rep: int, k: int, tag: str) -> list[list[int]]:
-        """k private suffixes of 50-100 tokens, the same for every engine asking for
-        (rep, k, tag); their lengths depend on (rep, k, i) only, not on ``tag``."""
-        key = (rep, k, tag)
-        if key not in self._suffixes:
-            lengths = [
-                random.Random(f"{rep}/{k}/{i}").randint(SUFFIX_MIN, SUFFIX_MAX) for i in range(k)
-            ]
-            self._suffixes[key] = [self.take(n) for n in lengths]
-        return self._suffixes[key]
-
-
-def make_workload(api: Api, prefix_tokens: int, stream_tokens: int) -> Workload:
-    head = "Shared instructions for every agent in this team. "
-    prefix = api.tokenize(head + word_text("prefix", prefix_tokens), add_special=True)
-    if len(prefix) < prefix_tokens:
-        raise H.BenchError(f"prefix text gave only {len(prefix)} tokens")
-    stream: list[int] = []
-    chunk = 0
-    while len(stream) < stream_tokens:
-        stream += api.tokenize(" " + word_text(f"filler-{chunk}", 4000), add_special=False)
-        chunk += 1
-    return Workload(prefix[:prefix_tokens], stream[:stream_tokens])
 
 
 # ---------------------------------------------------------------------------- one level
@@ -574,40 +370,9 @@ class Config:
         return out
 
 
-def _quiet_llama(level: int, text: bytes, user: ctypes.c_void_p) -> None:
-    return None
-
-
-_callbacks: list[Any] = []
-
-
-def model_shape(model: Path) -> dict[str, int]:
-    """Layer count and width from the GGUF (for the attention-cost arithmetic)."""
-    import llama_cpp.llama_cpp as C
-
-    from polykv_engine.llama.runtime import init_backend
-
-    init_backend()  # per-CPU ggml builds load their backend at run time, as the engine does
-    if not _callbacks:  # libllama keeps a raw pointer: the callback must outlive the call
-        _callbacks.append(C.llama_log_callback(_quiet_llama))
-        C.llama_log_set(_callbacks[0], ctypes.c_void_p(0))
-    params = C.llama_model_default_params()  # mmap: the weights are not read, only mapped
-    handle = C.llama_model_load_from_file(str(model).encode(), params)
-    if not handle:
-        raise H.BenchError(f"cannot read {model}")
-    try:
-        return {
-            "n_layer": int(C.llama_model_n_layer(handle)),
-            "n_embd": int(C.llama_model_n_embd(handle)),
-            "n_params": int(C.llama_model_n_params(handle)),
-        }
-    finally:
-        C.llama_model_free(handle)
-
-
 def measure(cfg: Config) -> dict[str, Any]:
     model = H.bench_model()
-    env = H.environment()
+    env = R.environment()
     model_info: dict[str, Any] = {
         "path": str(model.relative_to(H.REPO_ROOT) if model.is_relative_to(H.REPO_ROOT) else model),
         "bytes": model.stat().st_size,
@@ -655,10 +420,6 @@ def measure(cfg: Config) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- analysis
 
 
-def _summ(values: Sequence[float]) -> H.Summary:
-    return H.summarize(values)
-
-
 def _kv_bytes(run: dict[str, Any]) -> int:
     """KV bytes in use: llama.cpp's own cell count where the engine measured it."""
     kv = run["kv"]
@@ -683,12 +444,12 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
                 if not rs:
                     continue
                 cell: dict[str, Any] = {
-                    "ttft_ms_median": _summ(
+                    "ttft_ms_median": H.summarize(
                         [statistics.median(r["ttft_ms"]) for r in rs]
                     ).as_dict(),
-                    "ttft_ms_max": _summ([max(r["ttft_ms"]) for r in rs]).as_dict(),
-                    "kv_bytes": _summ([_kv_bytes(r) for r in rs]).as_dict(),
-                    "kv_over_ideal": _summ(
+                    "ttft_ms_max": H.summarize([max(r["ttft_ms"]) for r in rs]).as_dict(),
+                    "kv_bytes": H.summarize([_kv_bytes(r) for r in rs]).as_dict(),
+                    "kv_over_ideal": H.summarize(
                         [
                             _kv_bytes(r) / (r["expected_cells"] * r["kv"]["bytes_per_token"])
                             for r in rs
@@ -697,10 +458,12 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
                     "engine_cells_equal_llama_cpp": all(
                         r["kv"]["cells_measured"] in (None, r["kv"]["cells_used"]) for r in rs
                     ),
-                    "foreign_cpu_cores": _summ([r["foreign_cpu_cores"] for r in rs]).as_dict(),
+                    "foreign_cpu_cores": H.summarize(
+                        [r["foreign_cpu_cores"] for r in rs]
+                    ).as_dict(),
                 }
                 if mode == "pool":
-                    cell["create_s"] = _summ([r["create_s"] for r in rs]).as_dict()
+                    cell["create_s"] = H.summarize([r["create_s"] for r in rs]).as_dict()
                 out["cells"][f"{key}/{mode}/{k}"] = cell
 
     # Target 1: pooled KV bytes against (P + sum S_i) x bytes/token, every run.
@@ -741,7 +504,7 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
                 "engine": key,
                 "k": k,
                 "ratio_of_medians": ratio,
-                "paired": _summ([x / y for x, y in pairs]).as_dict(),
+                "paired": H.summarize([x / y for x, y in pairs]).as_dict(),
                 "met": ratio <= TARGET_TTFT_RATIO,
             }
             # A warm per-slot cache hit prefills the same suffix after the same cached
@@ -757,7 +520,7 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
                     if x["rep"] == y["rep"]
                 ]
                 if warm and (ref == key or key == "polykv"):
-                    row[field_] = _summ([x / y for x, y in warm]).as_dict()
+                    row[field_] = H.summarize([x / y for x, y in warm]).as_dict()
             ttft_rows.append(row)
     out["targets"]["ttft"] = {"limit": TARGET_TTFT_RATIO, "rows": ttft_rows}
     out["targets"]["auto"] = {
@@ -780,18 +543,18 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
 
     if fan:
         out["fanout"] = {
-            "trunk_create_s": _summ([f["trunk_create_s"] for f in fan]).as_dict(),
-            "fork_create_s_max": _summ([max(f["fork_create_s"]) for f in fan]).as_dict(),
-            "ttft_ms_median": _summ([statistics.median(f["ttft_ms"]) for f in fan]).as_dict(),
-            "ttft_ms_max": _summ([max(f["ttft_ms"]) for f in fan]).as_dict(),
-            "kv_bytes": _summ([_fan_kv_bytes(f) for f in fan]).as_dict(),
-            "kv_over_ideal": _summ(
+            "trunk_create_s": H.summarize([f["trunk_create_s"] for f in fan]).as_dict(),
+            "fork_create_s_max": H.summarize([max(f["fork_create_s"]) for f in fan]).as_dict(),
+            "ttft_ms_median": H.summarize([statistics.median(f["ttft_ms"]) for f in fan]).as_dict(),
+            "ttft_ms_max": H.summarize([max(f["ttft_ms"]) for f in fan]).as_dict(),
+            "kv_bytes": H.summarize([_fan_kv_bytes(f) for f in fan]).as_dict(),
+            "kv_over_ideal": H.summarize(
                 [_fan_kv_bytes(f) / (f["expected_cells"] * f["kv"]["bytes_per_token"]) for f in fan]
             ).as_dict(),
-            "unshared_over_pooled": _summ(
+            "unshared_over_pooled": H.summarize(
                 [f["unshared_cells"] * f["kv"]["bytes_per_token"] / _fan_kv_bytes(f) for f in fan]
             ).as_dict(),
-            "root_pools_over_pooled": _summ(
+            "root_pools_over_pooled": H.summarize(
                 [f["root_pools_cells"] * f["kv"]["bytes_per_token"] / _fan_kv_bytes(f) for f in fan]
             ).as_dict(),
         }
@@ -822,11 +585,11 @@ def _auto_targets(
         rows.append(
             {
                 "k": k,
-                "kv_ratio": _summ(kv).as_dict(),
+                "kv_ratio": H.summarize(kv).as_dict(),
                 "kv_worst": max(kv),
                 "kv_met": max(kv) <= AUTO_KV_RATIO,
                 "ttft_over_pool_total": ttft,
-                "ttft_over_pool_total_paired": _summ(
+                "ttft_over_pool_total_paired": H.summarize(
                     [a / b for a, b in zip(t_auto, t_pool, strict=True)]
                 ).as_dict(),
                 "ttft_over_attach": statistics.median(t_auto) / statistics.median(t_attach),
@@ -839,19 +602,9 @@ def _auto_targets(
 # ---------------------------------------------------------------------------- report
 
 
-def _fmt(d: dict[str, Any] | None, digits: int = 0, scale: float = 1.0, unit: str = "") -> str:
-    if not d:
-        return "–"
-    return H.Summary(tuple(d["values"])).fmt(digits, scale, unit)
-
-
-def _med(d: dict[str, Any] | None, digits: int = 2, scale: float = 1.0, unit: str = "") -> str:
-    return "–" if not d else f"{d['median'] * scale:.{digits}f}{unit}"
-
-
 def _secs(d: dict[str, Any] | None) -> str:
     """Milliseconds shown as seconds: median (min–max)."""
-    return _fmt(d, 2, 1e-3, " s")
+    return R.fmt(d, 2, 1e-3, " s")
 
 
 def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
@@ -901,21 +654,21 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         for key, mode in (("polykv", "alone"), ("polykv", "pool")):
             row.append(
                 f"{_secs(c(key, mode, k).get('ttft_ms_median'))} "
-                f"[{_med(c(key, mode, k).get('ttft_ms_max'), 2, 1e-3, ' s')}]"
+                f"[{R.med(c(key, mode, k).get('ttft_ms_max'), 2, 1e-3, ' s')}]"
             )
-        row.append(_fmt(c("polykv", "pool", k).get("create_s"), 2, unit=" s"))
+        row.append(R.fmt(c("polykv", "pool", k).get("create_s"), 2, unit=" s"))
         keys = [("polykv", "auto"), ("polykv", "full"), ("polykv", "cache")]
         if split:
             keys += [("split", "full"), ("split", "cache")]
         for key, mode in keys:
             cc = c(key, mode, k)
             row.append(
-                f"{_secs(cc.get('ttft_ms_median'))} [{_med(cc.get('ttft_ms_max'), 2, 1e-3, ' s')}]"
+                f"{_secs(cc.get('ttft_ms_median'))} [{R.med(cc.get('ttft_ms_max'), 2, 1e-3, ' s')}]"
                 if cc
                 else "–"
             )
         rows.append(row)
-    lines += ["Time to first token:", "", H.markdown_table(headers, rows), ""]
+    lines += ["Time to first token:", "", R.markdown_table(headers, rows), ""]
 
     headers = [
         "sessions",
@@ -951,16 +704,16 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         row = [
             str(k),
             f"{ideal / 1e6:.1f} MB" if ideal else "–",
-            _med(pool.get("kv_bytes"), 1, 1e-6, " MB"),
-            _med(pool.get("kv_over_ideal"), 4),
-            _med(auto.get("kv_bytes"), 1, 1e-6, " MB"),
+            R.med(pool.get("kv_bytes"), 1, 1e-6, " MB"),
+            R.med(pool.get("kv_over_ideal"), 4),
+            R.med(auto.get("kv_bytes"), 1, 1e-6, " MB"),
             f"{auto_ratio:.4f}×" if auto_ratio else "–",
-            _med(full.get("kv_bytes"), 1, 1e-6, " MB"),
-            _med(c("polykv", "cache", k).get("kv_bytes"), 1, 1e-6, " MB"),
+            R.med(full.get("kv_bytes"), 1, 1e-6, " MB"),
+            R.med(c("polykv", "cache", k).get("kv_bytes"), 1, 1e-6, " MB"),
             f"{ratio:.2f}×" if ratio else "–",
         ]
         if split:
-            row.append(_med(c("split", "full", k).get("kv_bytes"), 1, 1e-6, " MB"))
+            row.append(R.med(c("split", "full", k).get("kv_bytes"), 1, 1e-6, " MB"))
         rows.append(row)
     agree = all(v.get("engine_cells_equal_llama_cpp", True) for v in cells.values())
     lines += [
@@ -968,7 +721,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         f"these are llama.cpp's own used-cell counts (`--polykv-kv-debug`), which "
         f"{'equal' if agree else 'DO NOT always equal'} the engine's `kv_bytes_used`:",
         "",
-        H.markdown_table(headers, rows),
+        R.markdown_table(headers, rows),
         "",
     ]
     if any(k.startswith("polykv/auto/") for k in cells):
@@ -985,8 +738,8 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     if uni and spl:
         lines += [
             f"No sharing costs more time on the unified cache than on the split one ({top} "
-            f"sessions: {_med(uni['ttft_ms_median'], 1, 1e-3, ' s')} against "
-            f"{_med(spl['ttft_ms_median'], 1, 1e-3, ' s')} to the median first token) for the "
+            f"sessions: {R.med(uni['ttft_ms_median'], 1, 1e-3, ' s')} against "
+            f"{R.med(spl['ttft_ms_median'], 1, 1e-3, ' s')} to the median first token) for the "
             "same KV bytes: in one unified cache every query scans all cells in use, masked, "
             "the other sessions' copies of the prefix included, while a split cache scans only "
             "its own stream. The same holds for the warm per-slot cache. Pools need the "
@@ -1005,7 +758,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             f"together), {f0['sessions_per_fork']} sessions attached to each fork "
             f"({f0['n_forks'] * f0['sessions_per_fork']} released at once):",
             "",
-            H.markdown_table(
+            R.markdown_table(
                 [
                     "trunk create",
                     "4 forks create (slowest)",
@@ -1017,13 +770,14 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
                 ],
                 [
                     [
-                        _fmt(fo["trunk_create_s"], 2, unit=" s"),
-                        _fmt(fo["fork_create_s_max"], 2, unit=" s"),
-                        f"{_secs(fo['ttft_ms_median'])} [{_med(fo['ttft_ms_max'], 2, 1e-3, ' s')}]",
-                        _med(fo["kv_bytes"], 1, 1e-6, " MB"),
-                        _med(fo["kv_over_ideal"], 4),
-                        _med(fo["unshared_over_pooled"], 2, unit="×"),
-                        _med(fo["root_pools_over_pooled"], 2, unit="×"),
+                        R.fmt(fo["trunk_create_s"], 2, unit=" s"),
+                        R.fmt(fo["fork_create_s_max"], 2, unit=" s"),
+                        f"{_secs(fo['ttft_ms_median'])} "
+                        f"[{R.med(fo['ttft_ms_max'], 2, 1e-3, ' s')}]",
+                        R.med(fo["kv_bytes"], 1, 1e-6, " MB"),
+                        R.med(fo["kv_over_ideal"], 4),
+                        R.med(fo["unshared_over_pooled"], 2, unit="×"),
+                        R.med(fo["root_pools_over_pooled"], 2, unit="×"),
                     ]
                 ],
             ),
@@ -1086,7 +840,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
                 "**met**" if r["ttft_met"] else "**missed**",
             ]
         )
-    lines += [H.markdown_table(["target", "measured", "verdict"], rows), ""]
+    lines += [R.markdown_table(["target", "measured", "verdict"], rows), ""]
     fa_rows = []
     for k in cfg.levels:
         on_a, on_p = c("polykv-fa-on", "alone", k), c("polykv-fa-on", "pool", k)
@@ -1096,11 +850,12 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         fa_rows.append(
             [
                 str(k),
-                f"{_med(off_a['ttft_ms_median'], 2, 1e-3, ' s')} / "
-                f"{_med(on_a['ttft_ms_median'], 2, 1e-3, ' s')}",
-                f"{_med(off_p['ttft_ms_median'], 2, 1e-3, ' s')} / "
-                f"{_med(on_p['ttft_ms_median'], 2, 1e-3, ' s')}",
-                f"{_med(off_p['create_s'], 2, unit=' s')} / {_med(on_p['create_s'], 2, unit=' s')}",
+                f"{R.med(off_a['ttft_ms_median'], 2, 1e-3, ' s')} / "
+                f"{R.med(on_a['ttft_ms_median'], 2, 1e-3, ' s')}",
+                f"{R.med(off_p['ttft_ms_median'], 2, 1e-3, ' s')} / "
+                f"{R.med(on_p['ttft_ms_median'], 2, 1e-3, ' s')}",
+                f"{R.med(off_p['create_s'], 2, unit=' s')} / "
+                f"{R.med(on_p['create_s'], 2, unit=' s')}",
             ]
         )
     if fa_rows:
@@ -1109,7 +864,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             "short suffix-alone prefill faster, so the ratio above grows, while attach times "
             "move less:",
             "",
-            H.markdown_table(
+            R.markdown_table(
                 ["sessions", "suffix alone", "pool attach", "pool create (P tokens)"], fa_rows
             ),
             "",
@@ -1168,10 +923,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-fa-variant", action="store_true", help="skip the -fa on engine")
     p.add_argument("--no-fanout", action="store_true", help="skip the fork fan-out")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="-t for every engine")
-    H.add_output_flags(p, rerender=True)
+    R.add_output_flags(p, rerender=True)
     args = p.parse_args(argv)
     if args.from_json:
-        return rerender(args.from_json, publish=not args.no_publish, docs=not args.no_docs)
+        return R.rerender(
+            NAME,
+            args.from_json,
+            Config,
+            analyse,
+            render,
+            publish_files=not args.no_publish,
+            docs=not args.no_docs,
+        )
     cfg = Config(
         reps=args.reps,
         prefix_tokens=args.prefix_tokens,
@@ -1185,17 +948,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.reps, cfg.prefix_tokens, cfg.levels = 1, 400, (1, 2)
     if cfg.reps < 1 or not 200 <= cfg.prefix_tokens <= 8000:
         p.error("--reps must be >= 1 and --prefix-tokens in 200..8000")
-    return H.run_and_publish(NAME, cfg, args, measure, analyse, render, bulky=("runs", "fanout"))
-
-
-def rerender(path: Path, publish: bool, docs: bool) -> int:
-    """Tables from an earlier measurement (its environment and commit stay as recorded)."""
-    data = json.loads(path.read_text())
-    conf = dict(data["config"])
-    conf["levels"] = tuple(conf["levels"])
-    cfg = Config(**conf)
-    raw = {k: data[k] for k in ("env", "model", "props", "runs", "fanout")}
-    return H.republish(NAME, data, cfg, raw, analyse, render, publish_files=publish, docs=docs)
+    return R.run_and_publish(NAME, cfg, args, measure, analyse, render, bulky=("runs", "fanout"))
 
 
 if __name__ == "__main__":

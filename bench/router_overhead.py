@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from . import harness as H
+from . import report as R
 
 NAME = "router_overhead"
 TARGET_ADDED_MS = 2.0
@@ -142,7 +143,7 @@ def _histogram_means(text: str) -> dict[str, float]:
 
 def measure(cfg: Config) -> dict[str, Any]:
     model = H.bench_model()
-    env = H.environment()
+    env = R.environment()
     env["cpu_busy_cores_before"] = round(H.wait_for_quiet(max_busy_cores=0.5, max_wait_s=20), 2)
     args = ["-np", "4", "-c", "4096", "-t", str(cfg.threads), "-fa", "off"]
     runs = []
@@ -227,10 +228,6 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _f(d: dict[str, Any], digits: int = 2, unit: str = "") -> str:
-    return H.Summary(tuple(d["values"])).fmt(digits, 1.0, unit)
-
-
 def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     env = raw["env"]
     names = {
@@ -239,7 +236,12 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         "new_session": "new session id (lookup on every replica + placement)",
     }
     rows = [
-        [names[k], _f(res[k]["direct_ms"]), _f(res[k]["router_ms"]), _f(res[k]["added_ms"])]
+        [
+            names[k],
+            R.fmt(res[k]["direct_ms"], 2),
+            R.fmt(res[k]["router_ms"], 2),
+            R.fmt(res[k]["added_ms"], 2),
+        ]
         for k in KINDS
     ]
     s = res["stream"]
@@ -255,9 +257,9 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         f"{cfg.n_predict}-token streams); per repeat the median of each side and of the "
         f"paired differences, then median (min–max) of {cfg.reps} repeats.",
         "",
-        H.markdown_table(["request", "direct (ms)", "through the router (ms)", "added (ms)"], rows),
+        R.markdown_table(["request", "direct (ms)", "through the router (ms)", "added (ms)"], rows),
         "",
-        H.markdown_table(
+        R.markdown_table(
             [
                 "stream",
                 "direct tok/s",
@@ -269,11 +271,11 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             [
                 [
                     f"{cfg.n_predict} tokens",
-                    _f(s["direct_tps"], 1),
-                    _f(s["router_tps"], 1),
-                    _f(s["ratio"], 3, "×"),
-                    _f(s["added_ms_per_token"], 3),
-                    _f(s["ttft_added_ms"], 2),
+                    R.fmt(s["direct_tps"], 1),
+                    R.fmt(s["router_tps"], 1),
+                    R.fmt(s["ratio"], 3, unit="×"),
+                    R.fmt(s["added_ms_per_token"], 3),
+                    R.fmt(s["ttft_added_ms"], 2),
                 ]
             ],
         ),
@@ -283,7 +285,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(view.items()))
         + ".",
         "",
-        H.markdown_table(
+        R.markdown_table(
             ["target", "measured", "verdict"],
             [
                 [
@@ -314,14 +316,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--stream-pairs", type=int, default=3)
     p.add_argument("--n-predict", type=int, default=128, help="tokens per measured stream")
     p.add_argument("--threads", type=int, default=2)
-    H.add_output_flags(p)
+    R.add_output_flags(p, rerender=True)
     args = p.parse_args(argv)
+    if args.from_json:
+        return R.rerender(
+            NAME,
+            args.from_json,
+            Config,
+            analyse,
+            render,
+            publish_files=not args.no_publish,
+            docs=not args.no_docs,
+        )
     cfg = Config(args.reps, args.pairs, args.stream_pairs, args.n_predict, args.threads)
     if args.quick:
         cfg.reps, cfg.pairs, cfg.stream_pairs, cfg.n_predict = 1, 10, 1, 32
     if cfg.reps < 1 or cfg.pairs < 2 or cfg.stream_pairs < 1 or cfg.n_predict < 16:
         p.error("need --reps >= 1, --pairs >= 2, --stream-pairs >= 1, --n-predict >= 16")
-    return H.run_and_publish(NAME, cfg, args, measure, analyse, render)
+    return R.run_and_publish(NAME, cfg, args, measure, analyse, render)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,9 @@ from typing import Any
 import httpx
 
 from . import harness as H
-from .pool_sharing import Api, Workload, make_workload
+from . import report as R
+from .engine_client import Api
+from .workload import Workload, make_workload
 
 NAME = "spawn_ramp"
 N_PARALLEL = 8
@@ -586,7 +588,7 @@ class Config:
 
 def measure(cfg: Config) -> dict[str, Any]:
     model = H.bench_model()
-    env = H.environment()
+    env = R.environment()
     model_info = {
         "path": str(model.relative_to(H.REPO_ROOT) if model.is_relative_to(H.REPO_ROOT) else model),
         "bytes": model.stat().st_size,
@@ -646,10 +648,6 @@ def measure(cfg: Config) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- analysis
 
 
-def _summ(values: Sequence[float]) -> H.Summary:
-    return H.summarize(values)
-
-
 def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
     runs: list[dict[str, Any]] = raw["runs"]
     n_ok = int(raw["calibration"]["n_ok"])
@@ -664,19 +662,19 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
             continue
         agent_tps = [statistics.median(r["agent_tps"]) for r in rs if r["agent_tps"]]
         out["policies"][policy] = {
-            "under_s": _summ([r["under_s"] for r in rs]).as_dict(),
-            "under_share": _summ([r["under_share"] for r in rs]).as_dict(),
-            "measured_s": _summ([r["measured_s"] for r in rs]).as_dict(),
-            "deepest_dip": _summ([r["deepest_dip"] or 0.0 for r in rs]).as_dict(),
-            "time_mean_tps": _summ([r["time_mean_tps"] or 0.0 for r in rs]).as_dict(),
-            "peak_agents": _summ([r["peak_agents"] for r in rs]).as_dict(),
-            "overshoot": _summ([max(0, r["peak_agents"] - n_ok) for r in rs]).as_dict(),
-            "mean_agents": _summ([r["mean_agents"] for r in rs]).as_dict(),
-            "rejected": _summ([r["rejected"] for r in rs]).as_dict(),
-            "holds": _summ([r["holds"] for r in rs]).as_dict(),
-            "aggregate_decode_tps": _summ([r["aggregate_decode_tps"] for r in rs]).as_dict(),
-            "agent_tps_median": _summ(agent_tps).as_dict() if agent_tps else None,
-            "foreign_cpu_cores": _summ([r["foreign_cpu_cores"] for r in rs]).as_dict(),
+            "under_s": H.summarize([r["under_s"] for r in rs]).as_dict(),
+            "under_share": H.summarize([r["under_share"] for r in rs]).as_dict(),
+            "measured_s": H.summarize([r["measured_s"] for r in rs]).as_dict(),
+            "deepest_dip": H.summarize([r["deepest_dip"] or 0.0 for r in rs]).as_dict(),
+            "time_mean_tps": H.summarize([r["time_mean_tps"] or 0.0 for r in rs]).as_dict(),
+            "peak_agents": H.summarize([r["peak_agents"] for r in rs]).as_dict(),
+            "overshoot": H.summarize([max(0, r["peak_agents"] - n_ok) for r in rs]).as_dict(),
+            "mean_agents": H.summarize([r["mean_agents"] for r in rs]).as_dict(),
+            "rejected": H.summarize([r["rejected"] for r in rs]).as_dict(),
+            "holds": H.summarize([r["holds"] for r in rs]).as_dict(),
+            "aggregate_decode_tps": H.summarize([r["aggregate_decode_tps"] for r in rs]).as_dict(),
+            "agent_tps_median": H.summarize(agent_tps).as_dict() if agent_tps else None,
+            "foreign_cpu_cores": H.summarize([r["foreign_cpu_cores"] for r in rs]).as_dict(),
         }
     p7 = out["policies"].get("p7")
     for naive in ("naive-raw", "naive-proj"):
@@ -700,7 +698,7 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
             ]
             row.update(
                 reduction=reduction,
-                paired_reduction=_summ(paired).as_dict() if paired else None,
+                paired_reduction=H.summarize(paired).as_dict() if paired else None,
                 met=reduction >= TARGET_REDUCTION,
             )
         else:
@@ -727,12 +725,6 @@ POLICY_SHORT = {
     "p7-step-cap": "step-time cap",
     "p7": "as shipped",
 }
-
-
-def _fmt(d: dict[str, Any] | None, digits: int = 0, scale: float = 1.0, unit: str = "") -> str:
-    if not d:
-        return "–"
-    return H.Summary(tuple(d["values"])).fmt(digits, scale, unit)
 
 
 def _pct(x: float) -> str:
@@ -817,18 +809,18 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         rows.append(
             [
                 POLICY_LABELS[policy],
-                _fmt(p["under_s"], 1),
-                _fmt(p["under_share"], 0, 100, "%"),
-                _fmt(p["deepest_dip"], 1),
-                _fmt(p["time_mean_tps"], 1),
-                _fmt(p["peak_agents"]),
-                _fmt(p["overshoot"]),
-                _fmt(p["mean_agents"], 1),
-                _fmt(p["rejected"]),
-                _fmt(p["aggregate_decode_tps"]),
+                R.fmt(p["under_s"], 1),
+                R.fmt(p["under_share"], 0, 100, "%"),
+                R.fmt(p["deepest_dip"], 1),
+                R.fmt(p["time_mean_tps"], 1),
+                R.fmt(p["peak_agents"]),
+                R.fmt(p["overshoot"]),
+                R.fmt(p["mean_agents"], 1),
+                R.fmt(p["rejected"]),
+                R.fmt(p["aggregate_decode_tps"]),
             ]
         )
-    lines += [H.markdown_table(headers, rows), ""]
+    lines += [R.markdown_table(headers, rows), ""]
     rows = []
     for naive, t in res["targets"].items():
         if t["met"] is None:
@@ -855,7 +847,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             ]
         )
     if rows:
-        lines += [H.markdown_table(["target", "measured", "verdict"], rows), ""]
+        lines += [R.markdown_table(["target", "measured", "verdict"], rows), ""]
     lines += _p7_notes(raw, res)
     foreign = [r["foreign_cpu_cores"] for r in raw["runs"]]
     lines += [
@@ -938,10 +930,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--floor", type=float, help="skip the calibration: use this floor (tok/s)")
     p.add_argument("--n-ok", type=int, help="with --floor: agents the floor supports")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="-t for the engine")
-    H.add_output_flags(p, rerender=True)
+    R.add_output_flags(p, rerender=True)
     args = p.parse_args(argv)
     if args.from_json:
-        return rerender(args.from_json, publish=not args.no_publish, docs=not args.no_docs)
+        return R.rerender(
+            NAME,
+            args.from_json,
+            Config,
+            analyse,
+            render,
+            publish_files=not args.no_publish,
+            docs=not args.no_docs,
+            charts=chart,
+        )
     cfg = Config(
         reps=args.reps,
         run_s=args.run_s,
@@ -955,25 +956,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.reps, cfg.run_s, cfg.prefix_tokens = 1, 20.0, 400
     if cfg.reps < 1 or cfg.run_s < 10 or not 200 <= cfg.prefix_tokens <= 8000:
         p.error("--reps >= 1, --run-s >= 10, --prefix-tokens in 200..8000")
-    return H.run_and_publish(NAME, cfg, args, measure, analyse, render, charts=chart)
+    return R.run_and_publish(NAME, cfg, args, measure, analyse, render, charts=chart)
 
 
 def chart(data: Mapping[str, Any], out_dir: Path) -> list[Path]:
     from . import charts  # matplotlib only where charts are drawn
 
     return charts.ramp(data, out_dir, POLICY_LABELS)
-
-
-def rerender(path: Path, publish: bool, docs: bool) -> int:
-    """Tables from an earlier measurement (its environment and commit stay as recorded)."""
-    data = json.loads(path.read_text())
-    conf = dict(data["config"])
-    conf["policies"] = tuple(conf["policies"])
-    cfg = Config(**conf)
-    raw = {k: data[k] for k in ("env", "model", "calibration", "runs")}
-    return H.republish(
-        NAME, data, cfg, raw, analyse, render, publish_files=publish, docs=docs, charts=chart
-    )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 import random
 import re
@@ -58,7 +57,9 @@ from typing import Any
 import httpx
 
 from . import harness as H
-from .pool_sharing import Api, word_text
+from . import report as R
+from .engine_client import Api
+from .workload import WORDS, word_text
 
 NAME = "vs_llama_server"
 # How ggml's OpenMP threads wait for the next graph (polykv_engine/llama/omp.py): spin a
@@ -96,10 +97,7 @@ CACHE_FLAGS = (
     "--slot-prompt-similarity",
     "--kv-unified",
 )
-_WORDS = (  # noqa: SIM905
-    "the river city morning light garden window story old friend quiet market winter "
-    "train letter music road table house evening summer child teacher paper bridge"
-).split()
+_PROMPT_WORDS = WORDS[:25]  # the short list these prompts were first made with
 
 
 @dataclass
@@ -130,7 +128,7 @@ class Server:
 
 def prompt(model: str, rep: int, k: int, i: int) -> str:
     rng = random.Random(f"{model}/{rep}/{k}/{i}")
-    return f"Note {i}: " + " ".join(rng.choice(_WORDS) for _ in range(24)) + "."
+    return f"Note {i}: " + " ".join(rng.choice(_PROMPT_WORDS) for _ in range(24)) + "."
 
 
 def model_path(name: str) -> Path:
@@ -545,7 +543,7 @@ def measure_shared(cfg: Config, binary: str, model: str, raw: dict[str, Any]) ->
 
 def measure(cfg: Config, binary: str) -> dict[str, Any]:
     raw: dict[str, Any] = {
-        "env": H.environment(),
+        "env": R.environment(),
         "llama_server": llama_server_info(binary),
         "shared_models": {},
         "runs": [],
@@ -729,7 +727,7 @@ def render_decode(cfg: Config, res: dict[str, Any]) -> list[str]:
                 f"{row['identical_tokens']}/{row['compared']}",
             ])  # fmt: skip
         names = [key.removeprefix("polykv_") for key in keys]
-        parts.append(H.markdown_table(
+        parts.append(R.markdown_table(
             ["streams", "llama-server tok/s", *(f"PolyKV {n} tok/s" for n in names),
              *(f"{n} ÷ llama-server" for n in names), "same tokens"],
             table,
@@ -748,11 +746,6 @@ def render_decode(cfg: Config, res: dict[str, Any]) -> list[str]:
             parts += ["", "Probe during 8 streams — " + "; ".join(probe) + "."]
         parts.append("")
     return parts
-
-
-def _s(d: Mapping[str, Any] | None, digits: int = 2, unit: str = "") -> str:
-    """median (min–max) of a summary dict; "–" where there is none."""
-    return H.Summary(tuple(d["values"])).fmt(digits, unit=unit) if d else "–"
 
 
 def render_shared(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> list[str]:
@@ -796,8 +789,8 @@ def render_shared(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> list
                     [
                         ARRIVAL_LABELS[arrival],
                         SHARED_LABELS[key],
-                        _s(cell["ttft_s_median"], unit=" s"),
-                        _s(cell["ttft_s_max"], unit=" s"),
+                        R.fmt(cell["ttft_s_median"], 2, unit=" s"),
+                        R.fmt(cell["ttft_s_max"], 2, unit=" s"),
                         "–"
                         if "sooner_median" not in cell
                         else f"{cell['sooner_median']['median']:.1f}× / "
@@ -809,7 +802,7 @@ def render_shared(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> list
                     ]
                 )
         parts.append(
-            H.markdown_table(
+            R.markdown_table(
                 [
                     "arrival",
                     "server",
@@ -824,7 +817,7 @@ def render_shared(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> list
             )
         )
         created = [
-            f"{_s(row['polykv_pool']['create_s'], unit=' s')} ({ARRIVAL_LABELS[arrival]})"
+            f"{R.fmt(row['polykv_pool']['create_s'], 2, unit=' s')} ({ARRIVAL_LABELS[arrival]})"
             for arrival, row in per_arrival.items()
             if "create_s" in row.get("polykv_pool", {})
         ]
@@ -899,10 +892,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="on",
         help="-fa for every server (on: what both run by default on a CPU)",
     )
-    H.add_output_flags(p, rerender=True)
+    R.add_output_flags(p, rerender=True)
     args = p.parse_args(argv)
     if args.from_json:
-        return rerender(args.from_json, publish=not args.no_publish, docs=not args.no_docs)
+        return R.rerender(
+            NAME,
+            args.from_json,
+            Config,
+            analyse,
+            render,
+            publish_files=not args.no_publish,
+            docs=not args.no_docs,
+            charts=chart,
+        )
     cfg = Config(
         reps=args.reps,
         n_predict=args.n_predict,
@@ -922,7 +924,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         H.progress(f"SKIPPED {NAME}: llama-server cannot be built on this machine. {why}")
         print(f"{NAME}: skipped, llama-server cannot be built here (see stderr)")
         return 0
-    return H.run_and_publish(
+    return R.run_and_publish(
         NAME,
         cfg,
         args,
@@ -931,21 +933,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         render,
         bulky=("runs", "shared_runs"),
         charts=chart,
-    )
-
-
-def rerender(path: Path, publish: bool, docs: bool) -> int:
-    """Tables and chart from an earlier measurement (its environment and commit as recorded)."""
-    data = json.loads(path.read_text())
-    conf = dict(data["config"])
-    for key in ("models", "levels", "sections"):
-        if key in conf:
-            conf[key] = tuple(conf[key])
-    cfg = Config(**conf)
-    raw = {k: data.get(k) for k in ("env", "llama_server", "shared_models", "runs", "shared_runs")}
-    raw["runs"] = raw["runs"] or []
-    return H.republish(
-        NAME, data, cfg, raw, analyse, render, publish_files=publish, docs=docs, charts=chart
     )
 
 
