@@ -879,18 +879,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=REAL_MODEL,
         help=f"a polykv-fetch-model name measured beside the bench model ('' skips; {REAL_MODEL})",
     )
-    R.add_output_flags(p, rerender=True)
+    R.add_output_flags(p)
     args = p.parse_args(argv)
-    if args.from_json:
-        return R.rerender(
-            NAME,
-            args.from_json,
-            Config,
-            analyse,
-            render,
-            publish_files=not args.no_publish,
-            docs=not args.no_docs,
-        )
+    if (rc := R.from_json(NAME, args, Config, analyse, render)) is not None:
+        return rc
     cfg = Config(
         reps=args.reps,
         n_predict=args.n_predict,

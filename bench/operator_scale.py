@@ -444,18 +444,10 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.operator_scale", description=__doc__)
     p.add_argument("--per-engine", type=int, default=200, help="pools per engine (5 engines)")
-    R.add_output_flags(p, rerender=True)
+    R.add_output_flags(p)
     args = p.parse_args(argv)
-    if args.from_json:
-        return R.rerender(
-            NAME,
-            args.from_json,
-            Config,
-            analyse,
-            render,
-            publish_files=not args.no_publish,
-            docs=not args.no_docs,
-        )
+    if (rc := R.from_json(NAME, args, Config, analyse, render)) is not None:
+        return rc
     cfg = Config(per_engine=args.per_engine)
     if args.quick:
         cfg.applies, cfg.tree, cfg.engines, cfg.per_engine = 3, 20, 2, 20

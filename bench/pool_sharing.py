@@ -923,18 +923,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-fa-variant", action="store_true", help="skip the -fa on engine")
     p.add_argument("--no-fanout", action="store_true", help="skip the fork fan-out")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="-t for every engine")
-    R.add_output_flags(p, rerender=True)
+    R.add_output_flags(p)
     args = p.parse_args(argv)
-    if args.from_json:
-        return R.rerender(
-            NAME,
-            args.from_json,
-            Config,
-            analyse,
-            render,
-            publish_files=not args.no_publish,
-            docs=not args.no_docs,
-        )
+    if (rc := R.from_json(NAME, args, Config, analyse, render)) is not None:
+        return rc
     cfg = Config(
         reps=args.reps,
         prefix_tokens=args.prefix_tokens,

@@ -167,39 +167,46 @@ def republish(
 _META = ("benchmark", "config", "elapsed_s", "summary")  # what run_and_publish adds to raw
 
 
-def rerender(
+def from_json(
     name: str,
-    path: Path,
+    args: Any,
     config: Callable[..., Any],
     analyse: Callable[[Any, dict[str, Any]], Any],
     render: Callable[[Any, dict[str, Any], Any], str],
-    *,
-    publish_files: bool,
-    docs: bool,
     charts: Charts | None = None,
-) -> int:
-    """``--from-json``: a results file this benchmark wrote, analysed and rendered again
-    (its environment and commit stay as recorded; JSON lists become the config's tuples)."""
-    data = json.loads(path.read_text())
+) -> int | None:
+    """``--from-json FILE``: a results file this benchmark wrote, analysed and rendered again
+    (its environment and commit stay as recorded; JSON lists become the config's tuples).
+    None when the flag is absent: measure."""
+    if args.from_json is None:
+        return None
+    data = json.loads(args.from_json.read_text())
     cfg = config(**{k: tuple(v) if isinstance(v, list) else v for k, v in data["config"].items()})
     raw = {k: v for k, v in data.items() if k not in _META}
     return republish(
-        name, data, cfg, raw, analyse, render, publish_files=publish_files, docs=docs, charts=charts
+        name,
+        data,
+        cfg,
+        raw,
+        analyse,
+        render,
+        publish_files=not args.no_publish,
+        docs=not args.no_docs,
+        charts=charts,
     )
 
 
-def add_output_flags(p: Any, rerender: bool = False) -> None:
-    """The flags every benchmark shares: where its results go (and, for benchmarks that can
-    re-render a saved result, where it comes from)."""
+def add_output_flags(p: Any) -> None:
+    """The flags every benchmark shares: where its results go, or a saved result to render
+    again instead of measuring."""
     p.add_argument("--no-docs", action="store_true", help="write the JSON only, not the docs page")
     p.add_argument("--no-publish", action="store_true", help="print only; write no files")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, short, no files")
-    if rerender:
-        p.add_argument(
-            "--from-json",
-            type=Path,
-            help="measure nothing: re-analyse and re-render a results file this benchmark wrote",
-        )
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        help="measure nothing: re-analyse and re-render a results file this benchmark wrote",
+    )
 
 
 def run_and_publish(

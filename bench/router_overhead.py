@@ -316,18 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--stream-pairs", type=int, default=3)
     p.add_argument("--n-predict", type=int, default=128, help="tokens per measured stream")
     p.add_argument("--threads", type=int, default=2)
-    R.add_output_flags(p, rerender=True)
+    R.add_output_flags(p)
     args = p.parse_args(argv)
-    if args.from_json:
-        return R.rerender(
-            NAME,
-            args.from_json,
-            Config,
-            analyse,
-            render,
-            publish_files=not args.no_publish,
-            docs=not args.no_docs,
-        )
+    if (rc := R.from_json(NAME, args, Config, analyse, render)) is not None:
+        return rc
     cfg = Config(args.reps, args.pairs, args.stream_pairs, args.n_predict, args.threads)
     if args.quick:
         cfg.reps, cfg.pairs, cfg.stream_pairs, cfg.n_predict = 1, 10, 1, 32

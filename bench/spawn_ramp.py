@@ -930,19 +930,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--floor", type=float, help="skip the calibration: use this floor (tok/s)")
     p.add_argument("--n-ok", type=int, help="with --floor: agents the floor supports")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="-t for the engine")
-    R.add_output_flags(p, rerender=True)
+    R.add_output_flags(p)
     args = p.parse_args(argv)
-    if args.from_json:
-        return R.rerender(
-            NAME,
-            args.from_json,
-            Config,
-            analyse,
-            render,
-            publish_files=not args.no_publish,
-            docs=not args.no_docs,
-            charts=chart,
-        )
+    if (rc := R.from_json(NAME, args, Config, analyse, render, charts=chart)) is not None:
+        return rc
     cfg = Config(
         reps=args.reps,
         run_s=args.run_s,
