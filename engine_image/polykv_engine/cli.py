@@ -86,26 +86,57 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="one KV buffer shared by all sequences (default; pools need it)",
     )
-    unified.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_false")
-    p.add_argument("-b", "--batch-size", type=int, default=int(_env("BATCH", 2048)))
-    p.add_argument("-ub", "--ubatch-size", type=int, default=int(_env("UBATCH", 512)))
+    unified.add_argument(
+        "-no-kvu",
+        "--no-kv-unified",
+        dest="kv_unified",
+        action="store_false",
+        help="one KV stream per slot, as llama-server with -np (refused with pools)",
+    )
+    p.add_argument(
+        "-b",
+        "--batch-size",
+        type=int,
+        default=int(_env("BATCH", 2048)),
+        help="tokens one decode step may carry (logical batch)",
+    )
+    p.add_argument(
+        "-ub",
+        "--ubatch-size",
+        type=int,
+        default=int(_env("UBATCH", 512)),
+        help="tokens llama.cpp computes at once within a step (physical batch)",
+    )
     p.add_argument(
         "-t",
         "--threads",
         type=int,
         default=int(_env("THREADS", 0)),
-        help="CPU threads for decoding (0 = all cores)",
+        help="CPU threads for decoding (0: the physical cores of the CPU set, capped by the "
+        "cgroup's CPU limit)",
     )
-    p.add_argument("-tb", "--threads-batch", type=int, default=int(_env("THREADS_BATCH", 0)))
     p.add_argument(
-        "-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=int(_env("N_GPU_LAYERS", 0))
+        "-tb",
+        "--threads-batch",
+        type=int,
+        default=int(_env("THREADS_BATCH", 0)),
+        help="CPU threads for prompt batches (0: as -t)",
+    )
+    p.add_argument(
+        "-ngl",
+        "--n-gpu-layers",
+        "--gpu-layers",
+        type=int,
+        default=int(_env("N_GPU_LAYERS", 0)),
+        help="layers offloaded to a GPU backend, where the build has one",
     )
     p.add_argument(
         "-fa",
         "--flash-attn",
         choices=["on", "off", "auto"],
         default=_env("FLASH_ATTN", "auto"),
-        help="auto: on only when layers are offloaded (CPU decode is faster without)",
+        help="auto: on where layers run on the CPU (its kernel skips other sessions' masked "
+        "cells in the unified cache); with layers offloaded, llama.cpp decides",
     )
     p.add_argument(
         "-ctk",
@@ -114,9 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="f16",
         help="KV cache type for K (f32 makes batched and solo logits agree to ~1e-6)",
     )
-    p.add_argument("-ctv", "--cache-type-v", choices=sorted(CACHE_TYPES), default="f16")
-    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(_env("PORT", 8080)))
+    p.add_argument(
+        "-ctv",
+        "--cache-type-v",
+        choices=sorted(CACHE_TYPES),
+        default="f16",
+        help="KV cache type for V (a quantized V needs flash attention)",
+    )
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to listen on")
+    p.add_argument("--port", type=int, default=int(_env("PORT", 8080)), help="port to listen on")
     p.add_argument(
         "--api-key",
         action="append",
@@ -266,8 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=bool(_env("NO_REPACK", "")),
         help="keep weights in their file layout (no CPU-specific repacking)",
     )
-    p.add_argument("--log-format", choices=["text", "json"], default="text")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="json: one object per line",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
 
