@@ -19,6 +19,11 @@ MAX_TOOLS = 128  # OpenAI's own limit on functions per request
 MAX_BLOCKS = 10_000  # content blocks (or input items) in one message: like messages, each
 # costs template tokens, so more never fit a context
 
+# OpenAI Responses kept for previous_response_id (http/response_store.py): their turns' text,
+# in characters, and how many; the least recently used go first.
+MAX_STORED_RESPONSES = 4096
+MAX_STORED_RESPONSE_BYTES = 256 << 20
+
 MAX_JSON_DEPTH = 128  # arrays/objects inside each other anywhere in a body
 MAX_SCHEMA_DEPTH = 64  # objects/arrays inside each other in one JSON schema
 MAX_SCHEMA_BYTES = 1 << 20  # one schema, as compact JSON

@@ -493,6 +493,7 @@ Reason = Literal[
     "session_not_found",
     "session_empty",
     "session_busy",
+    "response_not_found",  # previous_response_id: unknown, released with its session, or evicted
     "slot_not_found",
     "slot_busy",
     # admission and load

@@ -15,6 +15,7 @@ from pydantic.json_schema import models_json_schema
 
 from . import anthropic as a
 from . import models as m
+from . import openai_responses as r
 
 Op = tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | None]
 
@@ -48,6 +49,13 @@ OPERATIONS: list[Op] = [
         "The prompt's length as /v1/messages renders it",
         a.CountTokensRequest,
         a.TokenCount,
+    ),
+    (
+        "post",
+        "/v1/responses",
+        "OpenAI Responses for function-calling agents (previous_response_id, streaming)",
+        r.ResponsesRequest,
+        r.ResponseObject,
     ),
     ("post", "/apply-template", "The chat template applied", m.ApplyTemplateRequest, None),
     ("post", "/tokenize", "Text to tokens", m.TokenizeRequest, None),

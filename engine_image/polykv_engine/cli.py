@@ -18,6 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from polykv_api.agent_headers import (
+    AGENT_HEADERS,
+    FINAL_HEADERS,
+    PARENT_HEADERS,
+    SESSION_HEADERS,
+    SessionHeaders,
+    header_names,
+)
 from polykv_engine.core.engine import Engine, EngineConfig
 from polykv_engine.http.app import serve
 from polykv_engine.http.app_context import ServerSettings
@@ -49,6 +57,13 @@ STREAM_INTERVAL_MS = 50
 
 def _env(name: str, default: Any) -> Any:
     return os.environ.get(f"LLAMA_ARG_{name}", default)
+
+
+def _header_names(text: str) -> tuple[str, ...]:
+    try:
+        return header_names(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _env_int(name: str) -> int | None:
@@ -266,6 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body; a bigger one is refused (413) before it is read "
         "(default: 64 bytes per context token + 2 MiB; also POLYKV_MAX_BODY_BYTES)",
     )
+    for kind, what, defaults in (
+        ("session", "name the session (the first one a request carries wins)", SESSION_HEADERS),
+        ("agent", "qualify the session per agent (<session>:<agent>)", AGENT_HEADERS),
+        ("parent", "name the parent session of a sub-agent", PARENT_HEADERS),
+        ("final", 'mark a session\'s last turn ("true"): its cache is released', FINAL_HEADERS),
+    ):
+        p.add_argument(
+            f"--polykv-{kind}-headers",
+            type=_header_names,
+            default=",".join(defaults),  # argparse parses a string default with ``type``
+            help=f"comma-separated headers that {what}",
+        )
     p.add_argument(
         "--sse-ping-interval",
         type=float,
@@ -449,6 +476,12 @@ def config_from_args(
         sse_ping_interval_s=args.sse_ping_interval,
         write_timeout_s=args.timeout,
         max_body_bytes=args.polykv_max_body_bytes,
+        session_headers=SessionHeaders(
+            session=args.polykv_session_headers,
+            agent=args.polykv_agent_headers,
+            parent=args.polykv_parent_headers,
+            final=args.polykv_final_headers,
+        ),
     )
     return engine_cfg, settings, args
 

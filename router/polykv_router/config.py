@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from polykv_api.agent_headers import (
+    AGENT_HEADERS,
+    FINAL_HEADERS,
+    PARENT_HEADERS,
+    SESSION_HEADERS,
+    SessionHeaders,
+    header_names,
+)
 
 API_KEY_ENV = "POLYKV_ROUTER_ENGINE_API_KEY"
 ROUTER_KEY_ENV = "POLYKV_ROUTER_KEY"
@@ -56,6 +65,8 @@ class Config:
     serviceaccount_dir: Path = Path(DEFAULT_SA_DIR)
     log_format: str = "text"
     verbose: bool = False
+    session_headers: SessionHeaders = field(default_factory=SessionHeaders)
+    """Which headers say who an agent is: the engine's lists (polykv_api.agent_headers)."""
 
     @property
     def capacity_max_age_s(self) -> float:
@@ -79,6 +90,13 @@ def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+def _header_list(text: str) -> tuple[str, ...]:
+    try:
+        return header_names(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def parser() -> argparse.ArgumentParser:
@@ -111,6 +129,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--key-cache-size", type=_positive(int), default=4096)
     p.add_argument("--key-ttl-s", type=_positive(float), default=60.0)
     p.add_argument("--key-refused-ttl-s", type=_positive(float), default=5.0)
+    for kind, defaults in (
+        ("session", SESSION_HEADERS),
+        ("agent", AGENT_HEADERS),
+        ("parent", PARENT_HEADERS),
+        ("final", FINAL_HEADERS),
+    ):
+        p.add_argument(
+            f"--{kind}-headers",
+            type=_header_list,
+            default=",".join(defaults),  # argparse parses a string default with ``type``
+            help=f"comma-separated {kind} headers, as the engine's --polykv-{kind}-headers",
+        )
     p.add_argument(
         "--router-key",
         help=f"the router's identity to the engines (default: ${ROUTER_KEY_ENV})",
@@ -154,4 +184,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> Config:
         serviceaccount_dir=Path(env.get(SA_DIR_ENV) or DEFAULT_SA_DIR),
         log_format=a.log_format,
         verbose=a.verbose,
+        session_headers=SessionHeaders(
+            a.session_headers, a.agent_headers, a.parent_headers, a.final_headers
+        ),
     )

@@ -32,6 +32,8 @@ class RoutingKey:
     """The continuation key, or None for a one-shot request (placed, never bound)."""
     pool: str | None
     """The pool reference as the client wrote it (a name, or a per-replica id), or None."""
+    parent: str | None = None
+    """The parent session of a sub-agent (its first request goes where the parent is)."""
 
 
 def _session(header: str | None, doc: dict[str, Any]) -> str | None:
@@ -66,12 +68,18 @@ def _pool(doc: dict[str, Any]) -> str | None:
     return None
 
 
-def routing_key(header_session: str | None, body: bytes) -> RoutingKey:
-    """The session and pool of an inference request; RequestError when they are malformed."""
+def routing_key(header_session: str | None, body: bytes, parent: str | None = None) -> RoutingKey:
+    """The session and pool of an inference request; RequestError when they are malformed.
+    A Responses request without a session is keyed by its ``prompt_cache_key``, as the
+    engine keys it."""
     try:
         doc = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise RequestError(400, "invalid_request", "request body must be a JSON object")
-    return RoutingKey(_session(header_session, doc), _pool(doc))
+    session = _session(header_session, doc)
+    cache_key = doc.get("prompt_cache_key")
+    if session is None and isinstance(cache_key, str) and 0 < len(cache_key) <= MAX_SESSION_ID:
+        session = cache_key
+    return RoutingKey(session, _pool(doc), parent)

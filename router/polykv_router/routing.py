@@ -31,6 +31,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from polykv_api import models as wire
+from polykv_api.agent_headers import HeaderError, agent_identity
 
 from .bindings import Binding, Bindings, SessionKey
 from .capacity import CapacityPoller
@@ -40,10 +41,10 @@ from .errors import Refusal, error_body, fleet_refusal
 from .fleet import Fleet, Replica
 from .keycheck import KeyCheck, NoReplica
 from .metrics import Metrics
-from .names import PUBLIC_PATHS, REHOMED_HEADER, SESSION_HEADER
+from .names import PUBLIC_PATHS, REHOMED_HEADER
 from .picker import rank
 from .proxy import Outcome, Proxy, Refused, Relayed
-from .request import RoutingKey, routing_key
+from .request import RequestError, RoutingKey, routing_key
 from .reservations import Reservations
 from .verdicts import credentials, fingerprint
 
@@ -86,7 +87,11 @@ class Router:
         if refused is not None:
             return refused
         body = await request.read()
-        key = routing_key(request.headers.get(SESSION_HEADER), body)
+        try:
+            who = agent_identity(request.headers, self.cfg.session_headers)
+        except HeaderError as exc:
+            raise RequestError(400, "invalid_request", str(exc)) from None
+        key = routing_key(who.session, body, who.parent)
         if key.session is None:
             return await self._place(request, body, key, None, t0, "oneshot")
         creds = credentials(request.headers)
@@ -95,8 +100,19 @@ class Router:
         if binding is None:
             binding = await self._lookup(session, creds, key.pool)
         if binding is None:
-            return await self._place(request, body, key, session, t0, "new")
+            near = await self._parent_replica(session[0], key.parent, creds, key.pool)
+            return await self._place(request, body, key, session, t0, "new", near)
         return await self._continue(request, body, key, session, creds, binding, t0)
+
+    async def _parent_replica(
+        self, fp: str, parent: str | None, creds: dict[str, str], pool: str | None
+    ) -> str | None:
+        """Where a sub-agent's parent session lives (its prefix is resident there)."""
+        if parent is None:
+            return None
+        key = (fp, parent)
+        binding = self.bindings.get(key, self.clock()) or await self._lookup(key, creds, pool)
+        return binding.replica if binding is not None else None
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
@@ -133,10 +149,16 @@ class Router:
         session: SessionKey | None,
         t0: float,
         kind: str,
+        near: str | None = None,
     ) -> web.StreamResponse:
+        """``near``: the replica to try first (a sub-agent's parent's), if it is a
+        candidate at all."""
         if key.pool is not None:
             await self.poller.warm(key.pool, self.cfg.lookup_timeout_s)
         order = self._rank(key.pool, gated=True)
+        if near in order:
+            order.remove(near)
+            order.insert(0, near)
         self._observe(kind, t0)
         relayed, refusals, tried = await self._attempts(
             request, body, order, session, key.pool, bind=True

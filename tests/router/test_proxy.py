@@ -89,14 +89,19 @@ def client(base_url: str) -> httpx.Client:
 
 
 def turn(
-    c: httpx.Client, session: str | None, pool: str | None, text: str, **kw: Any
+    c: httpx.Client,
+    session: str | None,
+    pool: str | None,
+    text: str,
+    headers: dict[str, str] | None = None,
+    **kw: Any,
 ) -> httpx.Response:
     prefix = pool_prefix(pool) if pool is not None else PREFIX
     body: dict[str, Any] = {"prompt": f"{prefix} {text}", "n_predict": 4, "temperature": 0, **kw}
     if pool is not None:
         body["pool_id"] = pool
-    headers = {"x-session-id": session} if session else {}
-    return c.post("/completion", json=body, headers=headers)
+    sent = {"x-session-id": session} if session else {}
+    return c.post("/completion", json=body, headers={**sent, **(headers or {})})
 
 
 # ------------------------------------------------------------------------ streaming
@@ -399,3 +404,34 @@ def test_info_routes_reach_a_replica_and_health_endpoints_answer(
     text = rc.get("/metrics").text
     assert total(text, "polykv_router_requests_total", route="/v1/models", status="200") == 1
     assert "session" not in "".join(ln for ln in text.splitlines() if "{" in ln and "s-" in ln)
+
+
+# ------------------------------------------------------------------------ agent identity
+
+
+def test_sub_agents_go_to_their_parents_replica(
+    start_fleet: StartFleet, start_router: StartRouter
+) -> None:
+    """A sub-agent's first request is placed where its parent lives (its prefix is resident
+    there), whichever header names the parent; new sessions otherwise spread out."""
+    engines = start_fleet("a", "b", pool="crew")
+    router = start_router(urls(engines))
+    rc = client(router.base_url)
+    run = "cc-run-1"
+    home = turn(rc, None, "crew", "plan", headers={"X-Claude-Code-Session-Id": run})
+    home_replica = home.headers["x-polykv-replica"]
+    assert home.headers["x-session-id"] == run
+    other = turn(rc, "stranger", "crew", "plan").headers["x-polykv-replica"]
+    assert other != home_replica  # placement alone would spread them
+    # Two slots a replica: the run and one sub-agent stay bound.
+    claude = {"X-Claude-Code-Session-Id": run, "x-claude-code-agent-id": "a1"}
+    sub = turn(rc, None, "crew", "work", headers=claude)
+    assert sub.headers["x-polykv-replica"] == home_replica
+    assert sub.headers["x-session-id"] == f"{run}:a1"
+    # Codex names the parent thread; a restarted router asks the replicas where it is.
+    router.restart()
+    codex = {"session-id": run, "thread-id": "cx-child", "x-codex-parent-thread-id": run}
+    sub = turn(rc, None, "crew", "work", headers=codex)
+    assert sub.headers["x-polykv-replica"] == home_replica
+    r = turn(rc, None, None, "x", headers={"thread-id": "has space"})
+    assert r.status_code == 400 and "thread-id" in r.json()["error"]["message"]

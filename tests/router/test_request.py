@@ -22,6 +22,12 @@ def test_session_from_the_body_wins_over_the_header() -> None:
     assert routing_key("", body()) == RoutingKey(None, None)  # an empty header: one-shot
 
 
+def test_prompt_cache_key_keys_a_session_and_the_parent_is_kept() -> None:
+    assert routing_key(None, body(prompt_cache_key="pck")) == RoutingKey("pck", None)
+    assert routing_key("h", body(prompt_cache_key="pck")).session == "h"
+    assert routing_key("c", body(), parent="p") == RoutingKey("c", None, "p")
+
+
 def test_pool_by_name_id_or_legacy_alias() -> None:
     assert routing_key(None, body(pool_id="crew")).pool == "crew"
     assert routing_key(None, body(pool_id=3)).pool == "3"

@@ -93,6 +93,15 @@ def erase_slot(e: Engine, slot_id: int) -> int:
     return e.slots.erase(slot_id)
 
 
+def release_session(e: Engine, tenant: str, session_id: str) -> int:
+    """The session's last turn is over (a "session final" header): its cache goes now
+    instead of waiting to be evicted; returns the tokens released (0: not here, or busy)."""
+    slot = e.slots.slot_of(tenant, session_id)
+    if slot is None or e.slots[slot].state != "idle":
+        return 0
+    return e.slots.erase(slot)
+
+
 def set_admission(e: Engine, ref: PoolRef, policy: AdmissionPolicy | None) -> None:
     _enabled(e)
     pool = e.pools.tree.resolve(ref)

@@ -24,7 +24,7 @@ from polykv_engine.http.errors import BODY_LIMIT, DEFAULT_REASONS, ApiError
 from polykv_engine.http.mailbox import loop_turns
 from polykv_engine.http.metrics import ComputeThreads, build_registry
 from polykv_engine.http.offload import WORKER, LargeStackExecutor
-from polykv_engine.http.routes import inference, info, messages, pools
+from polykv_engine.http.routes import inference, info, messages, pools, responses_api
 
 log = logging.getLogger("polykv.http")
 
@@ -111,6 +111,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
     info.add_routes(app)
     inference.add_routes(app)
     messages.add_routes(app)
+    responses_api.add_routes(app)
     pools.add_routes(app)
 
     async def start_gate(_: web.Application) -> None:

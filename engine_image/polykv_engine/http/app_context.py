@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from polykv_api.agent_headers import SessionHeaders
 from polykv_api.models import ChatCompletionRequest, ChatMessage, PromptPart
 from polykv_engine.chat.template import ChatRenderer, ChatTemplateError
 from polykv_engine.chat.tools import (
@@ -23,6 +24,7 @@ from polykv_engine.core.engine import Engine
 from polykv_engine.http.admission_gate import AdmissionGate
 from polykv_engine.http.errors import ApiError
 from polykv_engine.http.metrics import PoolGauges
+from polykv_engine.http.response_store import ResponseStore
 from polykv_engine.llama.runtime import LlamaRuntime
 
 
@@ -44,6 +46,8 @@ class ServerSettings:
     sse_ping_interval_s: float = 10.0  # keep-alive comments on an idle stream
     write_timeout_s: float = 600.0  # a client that reads nothing this long is dropped
     max_body_bytes: int | None = None  # None: derived from the context size (limits)
+    # Which headers say who an agent is (polykv_api.agent_headers).
+    session_headers: SessionHeaders = field(default_factory=SessionHeaders)
 
 
 @dataclass(slots=True)
@@ -55,6 +59,7 @@ class AppContext:
     in_flight: int = 0  # requests the engine owes an answer (the SIGTERM drain waits on it)
     gate: AdmissionGate | None = None
     pool_gauges: list[PoolGauges] = field(default_factory=list)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
     _renderer: ChatRenderer | None = None
 
     @contextlib.contextmanager

@@ -317,3 +317,44 @@ def test_rate_limit_is_429_with_retry_after_and_keys_are_checked(keyed: httpx.Cl
     assert err.body["type"] == "error"  # type: ignore[index]
     assert err.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
     assert err.body["error"]["reason"] == "tps_floor"  # type: ignore[index]
+
+
+# ---------------------------------------------------------------------------- agent identity
+
+
+def test_claude_code_sessions_sub_agents_share_the_prefix_and_final_releases(
+    engine: EngineProcess, raw: httpx.Client
+) -> None:
+    """Claude Code's headers: the run's session, a sub-agent's own session beside it that
+    reads the shared system prompt and tools from KV (no pool declared), and a final turn
+    that releases what was kept."""
+    client = sdk(engine)
+    system = "You coordinate a crew of agents; every one of them reads this first. " * 12
+    run = "9f0c5c1e-0000-4000-8000-000000000001"
+    kw: dict[str, Any] = dict(
+        model="m", max_tokens=4, system=system, tools=[WEATHER_TOOL, TIME_TOOL],
+        extra_body=GREEDY,
+    )  # fmt: skip
+    parent = client.messages.create(
+        **kw, messages=[{"role": "user", "content": "Plan the trip."}],
+        extra_headers={"X-Claude-Code-Session-Id": run},
+    ).usage  # fmt: skip
+    agent = {"X-Claude-Code-Session-Id": run, "x-claude-code-agent-id": "a1f2"}
+    sub = client.messages.create(
+        **kw, messages=[{"role": "user", "content": "Check the weather."}], extra_headers=agent
+    ).usage
+    prompt = parent.input_tokens + (parent.cache_read_input_tokens or 0)
+    shared = sub.cache_read_input_tokens or 0
+    assert shared >= prompt - 16, (parent, sub)  # all but the parent's own last words
+    assert raw.get(f"/polykv/sessions/{run}").json()["session_id"] == run
+    assert raw.get(f"/polykv/sessions/{run}:a1f2").status_code == 200
+
+    client.messages.create(
+        **kw, messages=[{"role": "user", "content": "Done."}],
+        extra_headers={**agent, "x-session-final": "true"},
+    )  # fmt: skip
+    assert raw.get(f"/polykv/sessions/{run}:a1f2").status_code == 404
+    assert raw.get(f"/polykv/sessions/{run}").status_code == 200  # the run goes on
+    r = raw.post("/v1/messages", json={"model": "m", "max_tokens": 1, "messages": ASK},
+                 headers={"X-Claude-Code-Session-Id": "bad id"})  # fmt: skip
+    assert r.status_code == 400 and "x-claude-code-session-id" in r.json()["error"]["message"]

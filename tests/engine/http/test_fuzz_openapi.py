@@ -20,7 +20,7 @@ from schemathesis.checks import positive_data_acceptance
 from polykv_engine.testing import EngineProcess
 
 DOC = Path(__file__).resolve().parents[3] / "engine_image" / "openapi.json"
-LENGTH_FIELDS = ("n_predict", "max_tokens", "max_completion_tokens")
+LENGTH_FIELDS = ("n_predict", "max_tokens", "max_completion_tokens", "max_output_tokens")
 
 pytestmark = pytest.mark.slow
 

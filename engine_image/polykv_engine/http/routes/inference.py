@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import math
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,8 +19,8 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from polykv_api.agent_headers import AgentIdentity, HeaderError, agent_identity
 from polykv_api.models import (
-    SESSION_ID_PATTERN,
     ApplyTemplateRequest,
     ChatCompletionRequest,
     ChatMessage,
@@ -34,6 +33,7 @@ from polykv_api.models import (
 )
 from polykv_engine.chat.tools import ToolCallParser, ToolError, ToolPlan
 from polykv_engine.chat.tools import plan as tool_plan
+from polykv_engine.core import pool_ops
 from polykv_engine.core.tasks import (
     DoneEvent,
     ErrorEvent,
@@ -57,7 +57,6 @@ from polykv_engine.llama.sampling import SamplingParams, StopParams
 log = logging.getLogger("polykv.http")
 
 IGNORED_HEADER = "X-PolyKV-Ignored-Fields"
-SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
 REHOMED_HEADER = "x-polykv-rehomed"  # set by polykv-router on a continuation it moved here
 
 
@@ -162,10 +161,13 @@ def task_from(
     logprobs: int | None = None,
     preserved: frozenset[int] = frozenset(),
     stops: list[str] | None = None,
+    identity: AgentIdentity | None = None,
 ) -> GenerateTask:
-    session = req.session_id or request.headers.get("x-session-id") or None
-    if session is not None and not SESSION_ID_RE.fullmatch(session):
-        raise ApiError(400, "x-session-id: 1-256 visible ASCII characters (no spaces)")
+    """``identity``: who the request is, when the route knows more than its headers say
+    (a Responses session from ``prompt_cache_key``); by default read from the headers."""
+    if identity is None:
+        identity = identity_of_agent(request, req.session_id)
+    request[SESSION_FINAL] = identity.final
     return GenerateTask(
         prompt=prompt,
         sampling=_sampling(req, grammar, check_repeat_last_n(ctx_of(request), req)),
@@ -177,13 +179,36 @@ def task_from(
         logprobs=logprobs,
         preserved_tokens=preserved,
         sink=sink,
-        session_id=session,
+        session_id=identity.session,
         tenant=identity_of(request).tenant,
         id_slot=req.id_slot,
         cache_prompt=req.cache_prompt,
         pool_ref=_pool_ref(req),
         pool_p=req.shared_prefix_n_tokens,
     )
+
+
+SESSION_FINAL = "polykv.session_final"  # request key: release the session after this turn
+
+
+def identity_of_agent(request: web.Request, body_session: str | None) -> AgentIdentity:
+    """Session, parent and "final" from the body and the configured agent headers."""
+    try:
+        return agent_identity(
+            request.headers, ctx_of(request).settings.session_headers, body_session
+        )
+    except HeaderError as exc:
+        raise ApiError(400, str(exc)) from exc
+
+
+async def release_session(ctx: AppContext, tenant: str, session_id: str) -> None:
+    """What was kept for a session that said its turn was the last: its cache (on the
+    engine thread) and its stored responses."""
+    ctx.responses.forget_session(tenant, session_id)
+    released = await asyncio.wrap_future(
+        ctx.engine.call(lambda e: pool_ops.release_session(e, tenant, session_id))
+    )
+    log.info("session final: released %d cached tokens", released)
 
 
 def _pool_ref(req: SamplingFields) -> PoolRef | None:
@@ -259,7 +284,6 @@ async def run(
             else:
                 resp = await _whole(ctx, req, task, sink, builder, extra_headers)
             done = True
-            return resp
         except ApiError as exc:
             if exc.reason == "queue_full":  # turned away: demand the autoscaler must see
                 ctx.gate.record_refusal(task, None)
@@ -269,6 +293,9 @@ async def run(
             if not done:
                 # Client gone (handler cancelled) or write failed: free the slot now.
                 ctx.engine.cancel(task.task_id)
+        if request.get(SESSION_FINAL) and task.session_id is not None:
+            await release_session(ctx, task.tenant, task.session_id)
+        return resp
 
 
 async def _whole(
