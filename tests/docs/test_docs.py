@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import yaml
 from markdown.extensions.toc import slugify
@@ -115,3 +117,34 @@ def test_precommit_runs_what_ci_runs() -> None:
     ):
         assert f"$(VENV)/bin/{tool_args}\n" in makefile, tool_args
         assert hooks[hook].startswith(".venv/bin/" + tool_args.removesuffix(" .")), hook
+
+
+def test_the_front_page_ratios_are_the_measured_ones() -> None:
+    """The five headline ratios, read again from the results files the benchmarks wrote: a
+    re-run that moves one fails here until the front page says the new figure."""
+    results = ROOT / "bench" / "results"
+    vs = json.loads((results / "vs_llama_server.json").read_text())["summary"]
+    ramp = json.loads((results / "spawn_ramp.json").read_text())["summary"]["policies"]
+
+    def med(path: str, summary: dict[str, Any] = vs) -> float:
+        node: Any = summary
+        for key in path.split("/"):
+            node = node[key]
+        return float(node["median"] if isinstance(node, dict) else node)
+
+    pool, auto = "shared/{}/fanout/polykv_pool/", "shared/{}/fanout/polykv_auto/"
+    bench, smol = "bench", "smollm2-135m-instruct-q4_1"
+    naive, shipped = med("naive-raw/under_s", ramp), med("p7/under_s", ramp)
+    expected = [
+        f"**{med(pool.format(bench) + 'sooner_median'):.0f}×** "
+        f"({med(pool.format(smol) + 'sooner_median'):.0f}×)",
+        f"**{med(pool.format(bench) + 'less_kv'):.1f}×**",
+        f"**{med(auto.format(bench) + 'sooner_median'):.1f}×** "
+        f"({med(auto.format(smol) + 'sooner_median'):.1f}×)",
+        f"**{med(f'decode/{bench}/8/polykv_spin_ratio'):.2f}×** "
+        f"({med(f'decode/{smol}/8/polykv_spin_ratio'):.2f}×)",
+        f"**{naive / shipped:.1f}×** less ({naive:.1f} s → {shipped:.1f} s)",
+    ]
+    text = README.read_text()
+    for cell in expected:
+        assert cell in text, cell
