@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .network_policies import NETWORK_POLICY_ENV, NetworkPolicyConfig, NetworkPolicyConfigError
+
 
 class ConfigError(RuntimeError):
     pass
@@ -34,10 +36,15 @@ class Config:
     external_metrics_cert: Path | None = None
     """Its serving certificate and key (PEM files); required with the port."""
     external_metrics_key: Path | None = None
+    external_metrics_ca: Path | None = None
+    """The serving certificate's CA (PEM): the operator keeps the APIService's caBundle
+    equal to it. None: the caBundle is left as it is."""
     external_metrics_service: str = "polykv-system/polykv-operator-external-metrics"
     """namespace/name of the Service the APIService routes to (checked before serving)."""
     router_cluster_role: str = "polykv-router"
     """The ClusterRole each router's RoleBinding refers to (installed with the operator)."""
+    network_policy: NetworkPolicyConfig | None = None
+    """Who may reach engines and routers (network_policies.py); None: no policy written."""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Config:
@@ -48,6 +55,11 @@ class Config:
             key = Path(key_file).read_text().strip()
         port = e.get("POLYKV_OPERATOR_METRICS_PORT")
         priority = e.get("POLYKV_OPERATOR_PRIORITY")
+        policy = e.get(NETWORK_POLICY_ENV)
+        try:
+            network_policy = NetworkPolicyConfig.parse(policy) if policy else None
+        except NetworkPolicyConfigError as exc:
+            raise ConfigError(str(exc)) from None
         return cls(
             poll_interval_s=float(e.get("POLYKV_OPERATOR_POLL_INTERVAL", "5")),
             metrics_port=int(port) if port else None,
@@ -59,10 +71,12 @@ class Config:
             external_metrics_port=_port(e, "POLYKV_OPERATOR_EXTERNAL_METRICS_PORT"),
             external_metrics_cert=_path(e, "POLYKV_OPERATOR_EXTERNAL_METRICS_CERT"),
             external_metrics_key=_path(e, "POLYKV_OPERATOR_EXTERNAL_METRICS_KEY"),
+            external_metrics_ca=_path(e, "POLYKV_OPERATOR_EXTERNAL_METRICS_CA"),
             external_metrics_service=e.get("POLYKV_OPERATOR_EXTERNAL_METRICS_SERVICE")
             or cls.external_metrics_service,
             router_cluster_role=e.get("POLYKV_OPERATOR_ROUTER_CLUSTER_ROLE")
             or cls.router_cluster_role,
+            network_policy=network_policy,
         )
 
     def check(self) -> None:

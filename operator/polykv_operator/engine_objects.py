@@ -6,7 +6,8 @@ engine is not the controller of (another team's `api-router`, a Service named af
 engine), nothing at all is written: the engine turns `Stalled` with a message naming each
 such object, and the handler retries later (the clash may be resolved by deleting or
 renaming either side). Objects found ours are patched at the resourceVersion they were seen
-at; a router that is off has only its objects that are ours deleted.
+at; a router that is off has only its objects that are ours deleted, and so has the
+router RoleBinding of an older layout (manifests.legacy_router_binding).
 """
 
 from __future__ import annotations
@@ -67,14 +68,14 @@ async def apply_objects(
     for i, (obj, found) in enumerate(zip(wanted, seen, strict=True)):
         what = await kube.apply_owned(namespace, obj, found)
         log.info("%s %s/%s %s", obj["kind"], namespace, found.name, what)
-        if i < len(own):
-            crash_point(CRASH_AFTER[obj["kind"]])
-    if router is None:
-        name = manifests.router_name(engine)
-        for api_version, kind in manifests.ROUTER_KINDS:
-            found = await kube.ownership(namespace, api_version, kind, name, owner_uid)
-            if found.ours and await kube.delete_owned(namespace, api_version, found):
-                log.info("%s %s/%s deleted (spec.router is off)", kind, namespace, name)
-            elif found.exists and not found.ours:
-                log.info("%s %s/%s is not ours: left alone", kind, namespace, name)
+        point = CRASH_AFTER.get(obj["kind"]) if i < len(own) else None
+        if point is not None:
+            crash_point(point)
+    gone = [] if router is not None else manifests.router_kinds(engine)
+    for api_version, kind, name in [*gone, manifests.legacy_router_binding(engine)]:
+        found = await kube.ownership(namespace, api_version, kind, name, owner_uid)
+        if found.ours and await kube.delete_owned(namespace, api_version, found):
+            log.info("%s %s/%s deleted (not wanted)", kind, namespace, name)
+        elif found.exists and not found.ours:
+            log.info("%s %s/%s is not ours: left alone", kind, namespace, name)
     return None

@@ -26,6 +26,15 @@ FULL = "seq_ids_exhausted"  # the engine's code for "no pool sequence id left"
 BUSY = frozenset({"kv_full", "queue_full"})  # codes for "busy now, the same may work later"
 
 
+def controller_uid(meta: Mapping[str, Any], kind: str, api_version: str) -> str | None:
+    """The uid of the object's controller when the controller is a `kind` (None else)."""
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("controller"):
+            ours = ref.get("kind") == kind and ref.get("apiVersion") == api_version
+            return str(ref["uid"]) if ours and ref.get("uid") else None
+    return None
+
+
 @dataclass(frozen=True)
 class ReplicaRef:
     """An engine pod as the index saw it."""
@@ -44,6 +53,8 @@ class ReplicaRef:
     # The engine boot a True gate was raised for, as its message names it (`boot_named`):
     # how an operator that has just started tells a replica it may trust from a restart.
     gate_boot: str | None = None
+    # uid of the ReplicaSet that controls the pod (replicas.owned_by follows it to the engine)
+    replicaset: str | None = None
 
     @classmethod
     def from_pod(cls, body: Mapping[str, Any]) -> ReplicaRef:
@@ -69,6 +80,7 @@ class ReplicaRef:
             waiting_message=waiting.get("message"),
             deletion_cost=(meta.get("annotations") or {}).get(DELETION_COST),
             gate_boot=boot_named(gate.get("message")) if gate.get("status") == "True" else None,
+            replicaset=controller_uid(meta, "ReplicaSet", "apps/v1"),
         )
 
 

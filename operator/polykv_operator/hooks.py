@@ -10,6 +10,11 @@
     python -m polykv_operator.hooks master-key --namespace NS --secret NAME --key KEY
         pre-install, pre-upgrade (Argo CD: PreSync): create the master key Secret once,
         when it is absent; never rewrite it
+    python -m polykv_operator.hooks external-metrics-tls --namespace NS --secret NAME
+        --service SVC
+        pre-install, pre-upgrade (Argo CD: PreSync), with autoscaling.externalMetrics: fail
+        when another provider holds the APIService; create the serving certificate's Secret
+        once, when it is absent
 
 Helm installs a chart's crds/ once and never upgrades them, so the pre-upgrade job replaces
 each CRD with the chart's copy. On uninstall, the operator must still be running while its
@@ -20,7 +25,9 @@ it names what stays and fails, and so does `helm uninstall` (nothing is stranded
 The master key is a Secret the chart never renders: `helm template` and Argo CD do not
 run Helm's `lookup`, so a rendered Secret would get a new key at every sync (and every
 engine's admin key with it). The job creates it with a random key when it is missing and
-leaves an existing one alone, so any number of syncs keep one key.
+leaves an existing one alone, so any number of syncs keep one key. The external metrics
+API's serving certificate is made the same way (and its CA reaches the APIService through
+the operator, at run time).
 
 Credentials: in-cluster (the job's ServiceAccount), else the kubeconfig.
 """
@@ -256,6 +263,60 @@ def ensure_master_key(namespace: str, secret: str, key: str) -> str:
     return f"created {namespace}/{secret}"
 
 
+def ensure_external_metrics_tls(namespace: str, secret: str, service: str) -> str:
+    """Before the external metrics API is installed: refuses (ProviderTaken) when another
+    provider holds the APIService, and creates the serving certificate's Secret (type
+    kubernetes.io/tls, with the CA in ca.crt) unless it exists; says which."""
+    import base64
+
+    from .autoscale.apiservice import verdict
+    from .autoscale.external_metrics import APISERVICE_NAME
+    from .autoscale.serving_cert import service_names, serving_certificate
+
+    client = _clients()
+    try:
+        found = client.ApiregistrationV1Api().read_api_service(APISERVICE_NAME)
+    except client.ApiException as exc:
+        if exc.status != 404:
+            raise
+    else:
+        existing = client.ApiClient().sanitize_for_serialization(found)
+        v = verdict(existing, namespace, service)
+        if not v.serve:
+            raise ProviderTaken(
+                "autoscaling.externalMetrics: another external metrics provider (KEDA, "
+                f"prometheus-adapter) serves this cluster. {v.message}; with the chart: "
+                "autoscaling.kind=keda"
+            )
+    core = client.CoreV1Api()
+    try:
+        core.read_namespaced_secret(secret, namespace)
+        return f"kept {namespace}/{secret}"
+    except client.ApiException as exc:
+        if exc.status != 404:
+            raise
+    made = serving_certificate(service_names(service, namespace))
+    data = {"ca.crt": made.ca_pem, "tls.crt": made.cert_pem, "tls.key": made.key_pem}
+    body = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": secret, "labels": {"app.kubernetes.io/part-of": "polykv"}},
+        "type": "kubernetes.io/tls",
+        "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
+    }
+    try:
+        core.create_namespaced_secret(namespace, body)
+    except client.ApiException as exc:
+        if exc.status != 409:  # another sync's job made it meanwhile: that one stays
+            raise
+        return f"kept {namespace}/{secret}"
+    return f"created {namespace}/{secret}"
+
+
+class ProviderTaken(RuntimeError):
+    pass
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m polykv_operator.hooks", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -277,7 +338,21 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--namespace", required=True)
     m.add_argument("--secret", required=True)
     m.add_argument("--key", required=True, help="the data key holding the master key")
+    t = sub.add_parser(
+        "external-metrics-tls",
+        help="refuse next to another metrics provider; create the serving Secret if absent",
+    )
+    t.add_argument("--namespace", required=True)
+    t.add_argument("--secret", required=True)
+    t.add_argument("--service", required=True, help="the Service the APIService routes to")
     args = p.parse_args(argv)
+    if args.command == "external-metrics-tls":
+        try:
+            print(ensure_external_metrics_tls(args.namespace, args.secret, args.service))
+        except ProviderTaken as exc:
+            print(f"FAILED: {exc}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "master-key":
         print(ensure_master_key(args.namespace, args.secret, args.key), flush=True)
         return 0

@@ -42,6 +42,9 @@ PATHS = {
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): (
         "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings"
     ),
+    ("networking.k8s.io/v1", "NetworkPolicy"): (
+        "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies"
+    ),
 }
 OURS = "/apis/polykv.io/v1alpha1/namespaces/{ns}/{plural}"
 POOLS = OURS.replace("{plural}", "polykvpools")
@@ -192,6 +195,12 @@ class Kube:
         except KubeError as exc:
             if exc.status != 404:  # the pod went away meanwhile
                 raise
+
+    async def set_ca_bundle(self, apiservice: str, ca_bundle: str) -> None:
+        """The caBundle of our APIService (its other fields are the chart's; the admission
+        policy lets this write change nothing else)."""
+        path = f"/apis/apiregistration.k8s.io/v1/apiservices/{apiservice}"
+        await self._req("PATCH", path, {"spec": {"caBundle": ca_bundle}}, MERGE)
 
     async def patch_status(self, namespace: str, plural: str, name: str, patch: Obj) -> None:
         """Merge-patch the status of one of our objects; one that is gone is not an error."""

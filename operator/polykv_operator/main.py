@@ -59,11 +59,12 @@ from .engine_round import (
     write_pool_statuses,
 )
 from .faults import crash_point
-from .fleet import EngineState, Fleet, ReplicaRef, replica_changed
+from .fleet import EngineState, Fleet, ReplicaRef, controller_uid, replica_changed
 from .kube import Kube
 from .names import ENGINE_LABEL, FINALIZER, PREFIX
 from .policies import PolicyNode, select
 from .pool_release import Holder, finalize_pool
+from .replicas import owned_by
 from .tree import PoolNode, parent_owner_reference
 
 log = logging.getLogger("polykv.operator")
@@ -206,11 +207,12 @@ async def autoscale_servers(**_: Any) -> None:
             CONFIG.external_metrics_key,
             ns,
             name,
+            CONFIG.external_metrics_ca,
         )
 
         async def external() -> None:
             kube = await _logged_in()
-            await SERVERS.start_external(_signal, settings, kube.get)
+            await SERVERS.start_external(_signal, settings, kube.get, kube.set_ca_bundle)
 
         SERVERS.task = asyncio.create_task(external())
 
@@ -319,7 +321,41 @@ def policies_idx(
 def pods_idx(
     namespace: str | None, body: kopf.Body, labels: kopf.Labels, **_: Any
 ) -> dict[tuple[str, str], ReplicaRef]:
+    """Pods by the engine they claim (a label): `_replicas` keeps the engine's own."""
     return {(str(namespace), labels[ENGINE_LABEL]): ReplicaRef.from_pod(body)}
+
+
+@kopf.index("apps", "v1", "replicasets", labels={ENGINE_LABEL: kopf.PRESENT})
+def replicasets_idx(
+    namespace: str | None, uid: str, meta: kopf.Meta, **_: Any
+) -> dict[tuple[str, str], str] | None:
+    """A ReplicaSet's uid -> the uid of the Deployment that controls it."""
+    owner = controller_uid(meta, "Deployment", "apps/v1")
+    return {(str(namespace), uid): owner} if owner else None
+
+
+@kopf.index("apps", "v1", "deployments", labels={ENGINE_LABEL: kopf.PRESENT})
+def deployments_idx(
+    namespace: str | None, uid: str, meta: kopf.Meta, **_: Any
+) -> dict[tuple[str, str], str] | None:
+    """A Deployment's uid -> the uid of the PolyKVEngine that controls it."""
+    owner = controller_uid(meta, ENGINE.kind, f"{GROUP}/{VERSION}")
+    return {(str(namespace), uid): owner} if owner else None
+
+
+def _replicas(
+    namespace: str,
+    engine_uid: str,
+    pods: list[ReplicaRef],
+    replicasets_idx: kopf.Index[tuple[str, str], str],
+    deployments_idx: kopf.Index[tuple[str, str], str],
+) -> list[ReplicaRef]:
+    """Those of `pods` (labelled for the engine) that the engine owns (replicas.owned_by)."""
+
+    def owner(index: kopf.Index[tuple[str, str], str]) -> Callable[[str], str | None]:
+        return lambda uid: next(iter(index.get((namespace, uid), [])), None)
+
+    return owned_by(pods, engine_uid, owner(replicasets_idx), owner(deployments_idx))
 
 
 def _ns(index: kopf.Index[Any, Any], key: Any) -> list[Any]:
@@ -342,7 +378,8 @@ def _engine_state(namespace: str, name: str, uid: str) -> EngineState:
 async def apply_engine(
     body: kopf.Body, name: str, namespace: str, uid: str, spec: kopf.Spec, logger: Any, **_: Any
 ) -> None:
-    """Secret (admin key), Deployment and Service, owned by the engine; with
+    """Secrets (admin key, generated API key), NetworkPolicy, Deployment and Service, owned
+    by the engine; with
     spec.router.enabled, the router's objects too (removed again when it is turned off).
     A name some other object holds stalls the engine and writes nothing (engine_objects)."""
     try:
@@ -357,15 +394,13 @@ async def apply_engine(
 
     # Without apiKeySecretRef the engine still needs a key: the operator's own, derived.
     generated = [] if parsed.api_key_secret_ref else [manifests.api_key_secret(name, key("api"))]
-    own = [
-        manifests.admin_secret(name, state.admin_key, key("router")),
-        *generated,
-        manifests.deployment(name, parsed),
-        manifests.service(name, parsed),
-    ]
+    secrets = [manifests.admin_secret(name, state.admin_key, key("router")), *generated]
+    own = manifests.engine_objects(name, parsed, secrets, CONFIG.network_policy)
     routed = parsed.router is not None and parsed.router.enabled
     router = (
-        manifests.router_objects(name, namespace, parsed, CONFIG.router_cluster_role)
+        manifests.router_objects(
+            name, namespace, parsed, CONFIG.router_cluster_role, CONFIG.network_policy
+        )
         if routed
         else None
     )
@@ -436,6 +471,8 @@ async def engine_loop(
     pools_idx: kopf.Index[str, PoolNode],
     policies_idx: kopf.Index[str, PolicyNode],
     pods_idx: kopf.Index[tuple[str, str], ReplicaRef],
+    replicasets_idx: kopf.Index[tuple[str, str], str],
+    deployments_idx: kopf.Index[tuple[str, str], str],
     **_: Any,
 ) -> None:
     """The engine's rounds (engine_round.serve) for as long as the engine exists: `body` and
@@ -445,7 +482,8 @@ async def engine_loop(
     def snapshot() -> Snapshot:
         changes = FLEET.changes(ns)  # before the view: a change while it is read is seen
         spec = PolyKVEngineSpec.model_validate(dict(body.spec))
-        pods = _ns(pods_idx, (ns, name))
+        labelled = _ns(pods_idx, (ns, name))
+        pods = _replicas(ns, uid, labelled, replicasets_idx, deployments_idx)
         view = _view(ns, name, spec, engines_idx, pools_idx, policies_idx, pods)
         meta = body.meta
         return Snapshot(
@@ -563,6 +601,8 @@ async def release_pool(
     engines_idx: kopf.Index[str, EngineEntry],
     pools_idx: kopf.Index[str, PoolNode],
     pods_idx: kopf.Index[tuple[str, str], ReplicaRef],
+    replicasets_idx: kopf.Index[tuple[str, str], str],
+    deployments_idx: kopf.Index[tuple[str, str], str],
     **_: Any,
 ) -> None:
     """Children first, then this pool on every replica (pool_release.finalize_pool). An
@@ -572,7 +612,9 @@ async def release_pool(
     holder = None
     if entry is not None:
         state = _engine_state(namespace, engine, entry.uid)
-        holder = Holder(state, _ns(pods_idx, (namespace, engine)), entry.spec.port)
+        labelled = _ns(pods_idx, (namespace, engine))
+        pods = _replicas(namespace, entry.uid, labelled, replicasets_idx, deployments_idx)
+        holder = Holder(state, pods, entry.spec.port)
     waiting = await finalize_pool(
         namespace,
         name,
@@ -637,16 +679,24 @@ async def counted_event(namespace: str | None, **_: Any) -> None:
 
 @kopf.on.event("pods", labels={ENGINE_LABEL: kopf.PRESENT})
 async def engine_pod_event(
-    namespace: str | None, body: kopf.Body, labels: kopf.Labels, **_: Any
+    namespace: str | None, body: kopf.Body, labels: kopf.Labels, **indexes: Any
 ) -> None:
     """Drops the readiness gate as soon as an engine stops or restarts: its KV is gone, and
     the Service must not route to it until the next round re-materializes the tree. A
-    replica that came, went, turned ready or restarted pokes the engine's round."""
+    replica that came, went, turned ready or restarted pokes the engine's round. A pod
+    that only carries the label (not the engine's own) is left alone."""
     FLEET.touch(str(namespace))
-    state = FLEET.peek(str(namespace), labels.get(ENGINE_LABEL, ""))
-    if state is None or namespace is None:
+    engine = labels.get(ENGINE_LABEL, "")
+    state = FLEET.peek(str(namespace), engine)
+    entries = _ns(indexes["engines_idx"], str(namespace))
+    entry = next((e for e in entries if e.name == engine), None)
+    if state is None or namespace is None or entry is None:
         return
     pod = ReplicaRef.from_pod(body)
+    if not _replicas(
+        namespace, entry.uid, [pod], indexes["replicasets_idx"], indexes["deployments_idx"]
+    ):
+        return
     if replica_changed(state.pods.get(pod.name), pod):
         state.poke()
     await drop_stale_gate(state, pod, CLIENTS.gate_writer(namespace))

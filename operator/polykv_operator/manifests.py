@@ -19,6 +19,7 @@ from typing import Any
 
 from .api import PolyKVEngineSpec, RouterSpec
 from .names import CONTAINER, ENGINE_LABEL, GATE, ROUTER_CONTAINER, ROUTER_LABEL
+from .network_policies import NetworkPolicyConfig, engine_policy, router_policy
 
 ADMIN_KEY_ENV = "POLYKV_ADMIN_KEY"
 API_KEY_ENV = "LLAMA_API_KEY"  # the engine reads both keys from its environment
@@ -289,18 +290,27 @@ def router_role_binding(
     """All the router may do: see the pods of its own namespace (their address, readiness
     and deletion), through the shared ClusterRole bound in this namespace only; it writes
     nothing and reads no Secret."""
-    name = router_name(engine)
+    account = router_name(engine)
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
-        "metadata": {"name": name, "labels": router_labels(engine)},
+        "metadata": {"name": router_binding_name(engine), "labels": router_labels(engine)},
         "roleRef": {
             "apiGroup": "rbac.authorization.k8s.io",
             "kind": "ClusterRole",
             "name": cluster_role,
         },
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
     }
+
+
+def router_binding_name(engine: str) -> str:
+    """Not the router's own name: earlier operators bound a Role of their own under that
+    name, and a RoleBinding's roleRef cannot change (legacy_router_binding)."""
+    return f"{router_name(engine)}{ROUTER_BINDING_SUFFIX}"
+
+
+ROUTER_BINDING_SUFFIX = "-pod-reader"  # files/operator-admission.yaml checks it
 
 
 def _token_volume() -> Obj:
@@ -405,21 +415,49 @@ def router_service(engine: str, spec: PolyKVEngineSpec) -> Obj:
 
 
 def router_objects(
-    engine: str, namespace: str, spec: PolyKVEngineSpec, cluster_role: str = ROUTER_CLUSTER_ROLE
+    engine: str,
+    namespace: str,
+    spec: PolyKVEngineSpec,
+    cluster_role: str = ROUTER_CLUSTER_ROLE,
+    policy: NetworkPolicyConfig | None = None,
 ) -> list[Obj]:
-    """Everything a router needs, in the order to create it (the account before its pods)."""
+    """Everything a router needs, in the order to create it (the account and the
+    NetworkPolicy before its pods)."""
+    name = router_name(engine)
+    fence = [router_policy(name, engine, spec, router_labels(engine), policy)] if policy else []
     return [
         router_service_account(engine),
         router_role_binding(engine, namespace, cluster_role),
+        *fence,
         router_deployment(engine, spec),
         router_service(engine, spec),
     ]
 
 
-ROUTER_KINDS = (
-    ("apps/v1", "Deployment"),
-    ("v1", "Service"),
-    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
-    ("v1", "ServiceAccount"),
-)
-"""What router_objects makes, in the order to delete it (the pods before their account)."""
+def engine_objects(
+    name: str, spec: PolyKVEngineSpec, secrets: list[Obj], policy: NetworkPolicyConfig | None
+) -> list[Obj]:
+    """The engine's own objects, in the order to create them: its Secrets and NetworkPolicy
+    before its pods."""
+    fence = [engine_policy(name, spec, labels(name), policy)] if policy else []
+    return [*secrets, *fence, deployment(name, spec), service(name, spec)]
+
+
+def router_kinds(engine: str) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of what router_objects makes, in the order to delete it
+    (the pods before their account and their NetworkPolicy)."""
+    name = router_name(engine)
+    return [
+        ("apps/v1", "Deployment", name),
+        ("networking.k8s.io/v1", "NetworkPolicy", name),
+        ("v1", "Service", name),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding", router_binding_name(engine)),
+        ("v1", "ServiceAccount", name),
+    ]
+
+
+def legacy_router_binding(engine: str) -> tuple[str, str, str]:
+    """The RoleBinding an older operator made under the router's own name, to a Role of its
+    own: taken away when found ours (its Role, which this operator may not delete, goes with
+    the engine, through the garbage collector)."""
+    return ("rbac.authorization.k8s.io/v1", "RoleBinding", router_name(engine))

@@ -18,8 +18,15 @@ def bin_dir() -> Path:
     return ensure_binaries()
 
 
-def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """helm with no cluster: its caches in a temporary home, no KUBECONFIG."""
+OFFLINE = Path(__file__).parent / "fixtures" / "offline.yaml"
+
+
+def helm(*args: str, check: bool = True, offline: bool = True) -> subprocess.CompletedProcess[str]:
+    """helm with no cluster: its caches in a temporary home, no KUBECONFIG. `template` and
+    `lint` read OFFLINE's values first (what the chart would read from a cluster; the
+    caller's -f files and --set come later and win), unless `offline` is False."""
+    if offline and args and args[0] in ("template", "lint"):
+        args = (args[0], "-f", str(OFFLINE), *args[1:])
     home = Path(os.environ.get("TMPDIR", "/tmp")) / "polykv-helm-home"
     env = {
         "PATH": os.environ.get("PATH", ""),

@@ -3,14 +3,12 @@ values that change its shape, and the generated files against their sources."""
 
 from __future__ import annotations
 
-import base64
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from cryptography import x509
 
 from polykv_operator import chartgen, crdgen
 from polykv_operator.autoscale import apiservice
@@ -88,7 +86,10 @@ NAMESPACED_ALLOWED = {
     *(("polykv.io", f"{r}/status", "patch")
       for r in ("polykvengines", "polykvpools", "admissionpolicies")),
     ("polykv.io", "polykvpools/finalizers", "update"),
-    *(("apps", "deployments", v) for v in ("create", "patch", "delete")),
+    *(("apps", "deployments", v) for v in ("create", "patch", "delete", "list", "watch")),
+    ("apps", "replicasets", "list"),
+    ("apps", "replicasets", "watch"),
+    *(("networking.k8s.io", "networkpolicies", v) for v in ("create", "patch", "delete")),
     *(("", r, v) for r in ("services", "serviceaccounts") for v in ("create", "patch", "delete")),
     *(("rbac.authorization.k8s.io", "rolebindings", v) for v in ("create", "patch", "delete")),
     ("", "secrets", "create"),
@@ -291,8 +292,13 @@ def test_objects_from_values_with_sync_waves_pdbs_and_policies(tmp_path: Path) -
         for d in docs
         if d["kind"] == "NetworkPolicy"
     }
-    assert ("agents", "rel-polykv-engines") in policies
-    assert ("polykv-system", "rel-polykv-default-deny") in policies
+    # The engine's own policy is the operator's to write, in its namespace, whatever that
+    # is: the chart writes none outside the release namespace.
+    assert policies == {
+        ("polykv-system", "rel-polykv-default-deny"),
+        ("polykv-system", "rel-polykv-operator"),
+        ("polykv-system", "rel-polykv-hooks"),
+    }
     test_pod = named(docs, "Pod")["rel-polykv-test"]
     args = test_pod["spec"]["containers"][0]["command"]
     assert "--pool=agents/crew/demo" in args and "--engine=agents/demo" in args
@@ -310,59 +316,64 @@ def test_router_image_and_its_network_policy(tmp_path: Path) -> None:
     assert engines["demo"]["spec"]["router"]["image"] == "registry.example/polykv/router:9"
     assert engines["own"]["spec"]["router"]["image"] == "r/x:1"  # the engine's own wins
     assert "router" not in named(render(tmp_path, EXAMPLE_VALUES), "PolyKVEngine")["demo"]["spec"]
-    policies = {
-        (d["metadata"]["namespace"], d["metadata"]["name"]): d
-        for d in docs
-        if d["kind"] == "NetworkPolicy"
-    }
-    routers = policies[("agents", "rel-polykv-routers")]["spec"]
-    assert routers["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "polykv-router"}}
-    assert routers["ingress"][0]["from"][0]["podSelector"] == {
-        "matchLabels": {"polykv.io/agent": "true"}
-    }
-    to_engines = routers["egress"][0]["to"][0]["podSelector"]["matchLabels"]
-    assert to_engines == {"app.kubernetes.io/name": "polykv-engine"}
-    engines_in = policies[("agents", "rel-polykv-engines")]["spec"]["ingress"][0]["from"]
-    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "polykv-router"}}} in (
-        engines_in
-    )
     values["image"] = {"router": {"repository": ""}}  # a repository is required
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(values))
     out = helm("template", "rel", str(CHART), "-f", str(tmp_path / "bad.yaml"), check=False)
     assert out.returncode != 0 and "at '/image/router/repository'" in out.stderr, out.stderr
 
 
-def test_network_policies_admit_by_namespace_and_label_in_every_served_namespace(
+def engine_policy_config(docs: list[Obj]) -> Obj:
+    """What the operator is told to write for each engine and router."""
+    env = env_of(docs)
+    config: Obj = json.loads(env["POLYKV_OPERATOR_NETWORK_POLICY"]["value"])
+    return config
+
+
+def test_engine_network_policies_admit_by_namespace_and_label_wherever_engines_are(
     tmp_path: Path,
 ) -> None:
-    docs = render(tmp_path, {"operator": {"watchNamespaces": ["a", "b"]}})
-    policies = {
-        (d["metadata"]["namespace"], d["metadata"]["name"]): d["spec"]
-        for d in docs
-        if d["kind"] == "NetworkPolicy"
-    }
-    for ns in ("polykv-system", "a", "b"):  # every namespace the operator serves
-        engines = policies[(ns, "rel-polykv-engines")]
-        routers = policies[(ns, "rel-polykv-routers")]
-        # Engines reach DNS and nothing else.
-        assert engines["egress"] == [
+    """The operator writes each engine's and router's policy beside it, from the peers the
+    chart passes; the chart itself writes none outside its namespace, so no namespace the
+    operator serves (watchNamespaces or all of them) is left without one."""
+    for values in (None, {"operator": {"watchNamespaces": ["a", "b"]}}):
+        docs = render(tmp_path, values)
+        assert {d["metadata"]["namespace"] for d in docs if d["kind"] == "NetworkPolicy"} == {
+            "polykv-system"
+        }
+        config = engine_policy_config(docs)
+        # Engines reach DNS and nothing else; a model download is closed until opened.
+        assert config["egress"] == [
             {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
         ]
-        peers = [p for spec in (engines, routers) for rule in spec["ingress"] for p in rule["from"]]
+        assert config["modelEgress"] == []
+        peers = config["ingress"] + config["routerIngress"]
         for peer in peers:
-            # A pod label alone never admits: a namespace is always named (or implied: a
-            # peer without namespaceSelector is the policy's own namespace).
+            # A pod label alone never admits: a namespace is always named, or implied (a
+            # peer without namespaceSelector is the policy's own namespace: the engine's).
             assert peer.get("podSelector"), peer
             assert "namespaceSelector" not in peer or peer["namespaceSelector"], peer
-        agents = engines["ingress"][0]["from"][0]
-        assert agents == {
-            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
-            "podSelector": {"matchLabels": {"polykv.io/agent": "true"}},
-        }
-        scrapers = engines["ingress"][0]["from"][-1]
+        agents, operator, test_pod, scrapers = config["ingress"]
+        assert agents == {"podSelector": {"matchLabels": {"polykv.io/agent": "true"}}}
+        release = {"matchLabels": {"kubernetes.io/metadata.name": "polykv-system"}}
+        assert operator["namespaceSelector"] == test_pod["namespaceSelector"] == release
+        assert operator["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == (
+            "polykv-operator"
+        )
         assert scrapers["namespaceSelector"] == {
             "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}
         }
+        assert config["routerIngress"] == [agents, scrapers]
+        assert config["routerEgress"][0] == {
+            "to": [{"ipBlock": {"cidr": "10.96.0.1/32"}}],
+            "ports": [{"port": 443, "protocol": "TCP"}, {"port": 6443, "protocol": "TCP"}],
+        }
+    opened = {"networkPolicy": {"modelEgress": [{"ports": [{"port": 443}]}]}}
+    assert engine_policy_config(render(tmp_path, opened))["modelEgress"] == [
+        {"ports": [{"port": 443}]}
+    ]
+    off = render(tmp_path, {"networkPolicy": {"enabled": False}})
+    assert "NetworkPolicy" not in kinds(off)
+    assert "POLYKV_OPERATOR_NETWORK_POLICY" not in env_of(off)
     # An empty selector (every namespace, or every pod) is refused. Helm merges a user's
     # map into the default one, so emptying a selector means nulling its matchLabels.
     for peer in ("agents", "scrapers"):
@@ -375,6 +386,31 @@ def test_network_policies_admit_by_namespace_and_label_in_every_served_namespace
                 "template", "rel", str(CHART), "-f", str(tmp_path / "open.yaml"), check=False
             )
             assert out.returncode != 0 and "minProperties" in out.stderr, (peer, selector)
+
+
+def test_the_api_server_is_the_only_address_the_operator_reaches_outside_the_cluster(
+    tmp_path: Path,
+) -> None:
+    """Its egress, its jobs' and the routers' reach the API server's addresses and ports
+    only. Without a cluster to read them from (helm template, Argo CD) and without the
+    value, the render fails naming it: never a rule open to every address."""
+    values = {"networkPolicy": {"apiServer": {"cidrs": ["192.0.2.7/32"], "ports": [6443]}}}
+    docs = render(tmp_path, values)
+    api = {
+        "to": [{"ipBlock": {"cidr": "192.0.2.7/32"}}],
+        "ports": [{"port": 6443, "protocol": "TCP"}],
+    }
+    policies = named(docs, "NetworkPolicy")
+    for name in ("rel-polykv-operator", "rel-polykv-hooks"):
+        egress = policies[name]["spec"]["egress"]
+        assert api in egress
+        blocks = [p["ipBlock"]["cidr"] for r in egress for p in r.get("to", []) if "ipBlock" in p]
+        assert blocks == ["192.0.2.7/32"], (name, egress)
+    assert engine_policy_config(docs)["routerEgress"][0] == api
+    out = helm("template", "rel", str(CHART), check=False, offline=False)
+    assert out.returncode != 0, out.stdout[-500:]
+    assert "networkPolicy.apiServer.cidrs is empty" in out.stderr, out.stderr
+    assert "each as a /32" in out.stderr
 
 
 def test_monitoring_objects_when_their_crds_exist(tmp_path: Path) -> None:
@@ -445,6 +481,64 @@ def test_existing_secret_and_namespaced_operator(tmp_path: Path) -> None:
     assert "--namespace=a" in c["args"] and "--all-namespaces" not in c["args"]
     cleanup = named(docs, "Job")["rel-polykv-hooks-cleanup"]
     assert "--namespace=b" in cleanup["spec"]["template"]["spec"]["containers"][0]["command"]
+
+
+def test_each_hook_and_the_test_pod_hold_only_their_own_rules(tmp_path: Path) -> None:
+    """The CRD job reads and replaces the chart's CRDs by name; the cleanup job lists and
+    deletes PolyKV objects where the operator serves, the test pod reads where it checks.
+    Each as an account of its own, existing only while its hook runs."""
+    docs = render(tmp_path, {**EXAMPLE_VALUES, "operator": {"watchNamespaces": ["a", "b"]}})
+    jobs = named(docs, "Job")
+    crds_job, cleanup_job = jobs["rel-polykv-hooks-crds"], jobs["rel-polykv-hooks-cleanup"]
+    accounts = {
+        j["spec"]["template"]["spec"]["serviceAccountName"] for j in (crds_job, cleanup_job)
+    }
+    assert accounts == {"rel-polykv-hooks-crds", "rel-polykv-hooks-cleanup"}
+
+    def bound(kind: str, account: str) -> list[Obj]:
+        """The roles of `kind` bound to `account`, with where they are."""
+        bindings = [
+            d for d in docs
+            if d["kind"] in ("RoleBinding", "ClusterRoleBinding")
+            and d["subjects"] == [
+                {"kind": "ServiceAccount", "name": account, "namespace": "polykv-system"}
+            ]
+            and d["roleRef"]["kind"] == kind
+        ]  # fmt: skip
+        return [
+            d for d in docs for b in bindings
+            if d["kind"] == kind and d["metadata"]["name"] == b["roleRef"]["name"]
+            and d["metadata"].get("namespace") == b["metadata"].get("namespace")
+        ]  # fmt: skip
+
+    (crds_role,) = bound("ClusterRole", "rel-polykv-hooks-crds")
+    assert bound("Role", "rel-polykv-hooks-crds") == []
+    by_name, create = crds_role["rules"]
+    assert by_name["verbs"] == ["get", "update"]
+    assert set(by_name["resourceNames"]) == {p.stem for p in (CHART / "crds").glob("*.yaml")}
+    assert create["verbs"] == ["create"] and create["resources"] == ["customresourcedefinitions"]
+    assert crds_role["metadata"]["annotations"]["helm.sh/hook"] == "pre-upgrade"
+    # Served namespaces only: Roles there, nothing cluster-wide.
+    assert bound("ClusterRole", "rel-polykv-hooks-cleanup") == []
+    cleanup_roles = bound("Role", "rel-polykv-hooks-cleanup")
+    assert sorted(r["metadata"]["namespace"] for r in cleanup_roles) == ["a", "b"]
+    for role in cleanup_roles:
+        assert flat(role["rules"]) == {
+            ("polykv.io", r, v)
+            for r in ("polykvengines", "polykvpools", "admissionpolicies")
+            for v in ("list", "delete")
+        }
+        assert role["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    everywhere = named(render(tmp_path), "ClusterRole")["rel-polykv-hooks-cleanup"]
+    assert flat(everywhere["rules"]) == flat(cleanup_roles[0]["rules"])
+    # The test pod: Roles where the release's objects and operator are.
+    assert bound("ClusterRole", "rel-polykv-test") == []
+    test_roles = bound("Role", "rel-polykv-test")
+    assert sorted(r["metadata"]["namespace"] for r in test_roles) == ["agents", "polykv-system"]
+    for role in test_roles:
+        assert flat(role["rules"]) == {
+            ("polykv.io", r, "get") for r in ("polykvengines", "polykvpools", "admissionpolicies")
+        } | {("", "pods", "list")}
 
 
 @pytest.mark.parametrize("flag", ["cleanup.onUninstall=false", "crds.upgrade=false"])
@@ -563,15 +657,37 @@ def test_the_external_metrics_provider_objects(tmp_path: Path) -> None:
     )
     svc = named(docs, "Service")["rel-polykv-operator-external-metrics"]
     assert svc["spec"]["ports"] == [
-        {"name": "https", "port": 443, "targetPort": "external-metrics", "protocol": "TCP"}
+        {"name": "https", "port": 443, "targetPort": "ext-metrics", "protocol": "TCP"}
     ]
-    secret = named(docs, "Secret")["rel-polykv-operator-external-metrics-tls"]
-    assert secret["data"]["ca.crt"] == api["spec"]["caBundle"]
-    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
-    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert "rel-polykv-operator-external-metrics.polykv-system.svc" in names.get_values_for_type(
-        x509.DNSName
-    )  # what the aggregator checks the serving certificate for
+    # Nothing of the certificate is rendered: a hook job makes its Secret once (so two
+    # renders, as Argo CD makes at every sync, are the same), and the operator sets the
+    # APIService's caBundle from it.
+    assert "Secret" not in kinds(docs) and "caBundle" not in api["spec"]
+    assert render(tmp_path, None, "--set", "autoscaling.externalMetrics.enabled=true") == docs
+    job = named(docs, "Job")["rel-polykv-operator-external-metrics-cert-job"]
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+    assert job["metadata"]["annotations"]["argocd.argoproj.io/hook"] == "PreSync"
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"][3:] == [
+        "external-metrics-tls",
+        "--namespace=polykv-system",
+        "--secret=rel-polykv-operator-external-metrics-cert",
+        "--service=rel-polykv-operator-external-metrics",
+    ]
+    (dep,) = named(docs, "Deployment").values()
+    (volume,) = (v for v in dep["spec"]["template"]["spec"]["volumes"] if "secret" in v)
+    assert volume["secret"]["secretName"] == "rel-polykv-operator-external-metrics-cert"
+    assert env_of(docs)["POLYKV_OPERATOR_EXTERNAL_METRICS_CA"]["value"].endswith("/ca.crt")
+    # The job's account reads the one Secret and the one APIService, by name.
+    job_roles = [
+        d for d in docs
+        if d["kind"] in ("Role", "ClusterRole") and d["metadata"]["name"] == job["metadata"]["name"]
+    ]  # fmt: skip
+    assert sorted(r["kind"] for r in job_roles) == ["ClusterRole", "Role"]
+    for role in job_roles:
+        for rule in role["rules"]:
+            assert rule.get("resourceNames") or rule["verbs"] == ["create"], rule
+    # The operator's own policy on that APIService: the plain manifest has the same.
+    policy = named(docs, "ValidatingAdmissionPolicy")["rel-polykv-operator-apiservice"]
     env = env_of(docs)
     assert env["POLYKV_OPERATOR_EXTERNAL_METRICS_SERVICE"]["value"] == (
         "polykv-system/rel-polykv-operator-external-metrics"
@@ -585,12 +701,16 @@ def test_the_external_metrics_provider_objects(tmp_path: Path) -> None:
         )
         if d
     ]
+    (plain_policy,) = (d for d in plain if d["kind"] == "ValidatingAdmissionPolicy")
+    assert plain_policy["spec"]["validations"] == policy["spec"]["validations"]
     assert sorted(
         json.dumps(d["rules"], sort_keys=True) for d in plain if d["kind"] == "ClusterRole"
     ) == sorted(
         json.dumps(d["rules"], sort_keys=True)
         for d in docs
-        if d["kind"] == "ClusterRole" and "external-metrics" in d["metadata"]["name"]
+        if d["kind"] == "ClusterRole"
+        and "external-metrics" in d["metadata"]["name"]
+        and "helm.sh/hook" not in (d["metadata"].get("annotations") or {})
     )
     (binding,) = (
         d

@@ -32,7 +32,7 @@ BASE: dict[str, Any] = {
         {"name": "a", "spec": {"poolRefs": [{"name": "p"}], "targetTpsPerSession": 5}}
     ],
     "imagePullSecrets": [{"name": "pull"}],
-    "networkPolicy": {"engineNamespaces": ["agents"]},
+    "networkPolicy": {"apiServer": {"cidrs": ["10.0.0.1/32"]}},
     "operator": {"watchNamespaces": ["agents"]},
     "autoscaling": {"engines": [{"name": "e"}]},
 }

@@ -20,7 +20,19 @@ PACKAGE = Path(__file__).resolve().parents[2] / "operator" / "polykv_operator"
 LAYERS: dict[str, int] = {
     "api": 0,
     **dict.fromkeys(
-        ("names", "fleet", "tree", "policies", "gates", "conditions", "manifests", "status"), 1
+        (
+            "names",
+            "fleet",
+            "replicas",
+            "tree",
+            "policies",
+            "gates",
+            "conditions",
+            "manifests",
+            "network_policies",
+            "status",
+        ),
+        1,
     ),
     **dict.fromkeys(
         (
@@ -29,6 +41,7 @@ LAYERS: dict[str, int] = {
             "autoscale.external_metrics",
             "autoscale.report",
             "autoscale.apiservice",
+            "autoscale.serving_cert",
         ),
         1,
     ),

@@ -130,7 +130,14 @@ def test_router_objects_and_least_privilege() -> None:
     assert [o["kind"] for o in (sa, binding, deployment, service)] == [
         "ServiceAccount", "RoleBinding", "Deployment", "Service",
     ]  # fmt: skip
-    assert {o["metadata"]["name"] for o in (sa, binding, deployment, service)} == {"qwen-router"}
+    assert {o["metadata"]["name"] for o in (sa, deployment, service)} == {"qwen-router"}
+    # Not the router's own name: an older layout's binding there has an immutable roleRef.
+    assert binding["metadata"]["name"] == "qwen-router-pod-reader"
+    assert manifests.legacy_router_binding("qwen")[2] == "qwen-router"
+    assert [k[1:] for k in manifests.router_kinds("qwen")] == [
+        ("Deployment", "qwen-router"), ("NetworkPolicy", "qwen-router"), ("Service", "qwen-router"),
+        ("RoleBinding", "qwen-router-pod-reader"), ("ServiceAccount", "qwen-router"),
+    ]  # fmt: skip
     # It may see the namespace's pods (the shared ClusterRole, bound here only): no Role of
     # its own, so the operator needs no verb on roles.
     assert binding["roleRef"] == {

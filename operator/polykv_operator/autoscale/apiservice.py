@@ -4,10 +4,11 @@ verdict on the one a cluster already has (pure).
 A cluster has one provider per group and version: KEDA and prometheus-adapter register the
 same APIService name. So the operator's provider is opt-in, and it is never installed over
 someone else's: the chart refuses to render it when the APIService exists without our label
-(templates/external-metrics.yaml), the plain manifest is created rather than applied, and the
-operator itself serves the API only when the APIService in the cluster is absent or points at
-its own Service (`verdict`). The operator never creates or edits APIServices: registering an
-API group is a privilege it does not hold.
+(the chart's pre-install job, hooks.py `external-metrics-tls`), the plain manifest is created
+rather than applied, and the operator itself serves the API only when the APIService in the
+cluster is absent or points at its own Service (`verdict`). The operator never creates an
+APIService, and of its own it changes the caBundle only: registering or rerouting an API
+group is a privilege it does not hold.
 """
 
 from __future__ import annotations
@@ -25,21 +26,24 @@ OURS = "polykv"  # the part-of label value that marks the APIService as ours
 Obj = dict[str, Any]
 
 
-def desired(namespace: str, service: str, port: int, ca_pem: bytes) -> Obj:
+def desired(namespace: str, service: str, port: int, ca_pem: bytes | None = None) -> Obj:
     """Our APIService: the aggregator reaches `service.namespace.svc:port` over TLS and
-    checks the serving certificate against `ca_pem`."""
+    checks the serving certificate against `ca_pem` (None: no caBundle yet; the operator
+    sets it from its serving certificate's CA, metrics_api.keep_ca_bundle)."""
+    spec: Obj = {
+        "group": GROUP,
+        "version": VERSION,
+        "service": {"namespace": namespace, "name": service, "port": port},
+        "groupPriorityMinimum": 100,
+        "versionPriority": 100,
+    }
+    if ca_pem is not None:
+        spec["caBundle"] = base64.b64encode(ca_pem).decode()
     return {
         "apiVersion": "apiregistration.k8s.io/v1",
         "kind": "APIService",
         "metadata": {"name": APISERVICE_NAME, "labels": {PART_OF: OURS}},
-        "spec": {
-            "group": GROUP,
-            "version": VERSION,
-            "service": {"namespace": namespace, "name": service, "port": port},
-            "caBundle": base64.b64encode(ca_pem).decode(),
-            "groupPriorityMinimum": 100,
-            "versionPriority": 100,
-        },
+        "spec": spec,
     }
 
 

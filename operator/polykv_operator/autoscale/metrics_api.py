@@ -14,6 +14,7 @@ figure is never older than the staleness limit allows.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
@@ -36,8 +37,11 @@ SignalSource = Callable[[str, str], Signal | None]
 """(namespace, engine) -> its signal now; None: the operator has not polled such an engine."""
 Getter = Callable[[str], Awaitable[dict[str, Any] | None]]
 """GET an API path with the operator's credentials; None when it is not there (404)."""
+CaSetter = Callable[[str, str], Awaitable[None]]
+"""Sets an APIService's (name) caBundle (base64 PEM) with the operator's credentials."""
 
 APISERVICES = "/apis/apiregistration.k8s.io/v1/apiservices/"
+CA_BUNDLE_EVERY_S = 10.0  # how often the APIService's caBundle is looked at (one GET)
 
 
 def _json(status: int, body: Any) -> web.Response:
@@ -132,6 +136,30 @@ class ExternalSettings:
     key_file: Path
     service_namespace: str  # the Service our APIService must point at
     service_name: str
+    ca_file: Path | None = None  # the serving certificate's CA, for the APIService's caBundle
+
+
+async def keep_ca_bundle(
+    settings: ExternalSettings, get: Getter, set_ca: CaSetter, every_s: float = CA_BUNDLE_EVERY_S
+) -> None:
+    """Keeps our APIService's caBundle equal to the serving certificate's CA, for as long as
+    the operator runs. The chart renders the APIService without one (a CA in the rendered
+    chart would change at every `helm template`); a `helm upgrade` from a layout that
+    rendered one takes it away, and this puts it back. Someone else's APIService is never
+    touched (`verdict`)."""
+    assert settings.ca_file is not None
+    want = base64.b64encode(settings.ca_file.read_bytes()).decode()
+    while True:
+        try:
+            found = await get(APISERVICES + em.APISERVICE_NAME)
+            ours = verdict(found, settings.service_namespace, settings.service_name)
+            have = ((found or {}).get("spec") or {}).get("caBundle")
+            if ours.state == "ours" and have != want:
+                await set_ca(em.APISERVICE_NAME, want)
+                log.info("APIService %s: caBundle set", em.APISERVICE_NAME)
+        except Exception as exc:  # the API server away for a while: try again later
+            log.warning("APIService %s caBundle not checked: %s", em.APISERVICE_NAME, exc)
+        await asyncio.sleep(every_s)
 
 
 class Servers:
@@ -141,6 +169,7 @@ class Servers:
         self.runners: list[web.AppRunner] = []
         self.external: str = "off"  # off | serving | refused | failed
         self.task: asyncio.Task[None] | None = None  # the external API's start, if any
+        self.ca_task: asyncio.Task[None] | None = None  # keep_ca_bundle, if it runs
 
     async def _start(self, app: web.Application, address: str, port: int, **kw: Any) -> None:
         runner = web.AppRunner(app, access_log=None)
@@ -158,10 +187,15 @@ class Servers:
         log.info("autoscale JSON served address=%s port=%s", address, port)
 
     async def start_external(
-        self, source: SignalSource, settings: ExternalSettings, get: Getter
+        self,
+        source: SignalSource,
+        settings: ExternalSettings,
+        get: Getter,
+        set_ca: CaSetter | None = None,
     ) -> None:
-        """Serves external.metrics.k8s.io unless another provider holds the APIService.
-        A failure is logged and leaves the operator running without the API."""
+        """Serves external.metrics.k8s.io unless another provider holds the APIService,
+        and keeps its caBundle (with `settings.ca_file` and `set_ca`). A failure is logged
+        and leaves the operator running without the API."""
         try:
             found = await get(APISERVICES + em.APISERVICE_NAME)
         except Exception as exc:  # a permission missing, say: serve, and say why unchecked
@@ -173,6 +207,8 @@ class Servers:
                 log.error("external metrics not served: %s", v.message)
                 return
             log.info("external metrics: %s", v.message)
+        if settings.ca_file is not None and set_ca is not None:
+            self.ca_task = asyncio.create_task(keep_ca_bundle(settings, get, set_ca))
         try:
             data = await get(AUTH_CONFIGMAP)
             front_proxy = FrontProxy.from_configmap((data or {}).get("data") or {})
@@ -193,8 +229,9 @@ class Servers:
         )
 
     async def stop(self) -> None:
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
+        for task in (self.task, self.ca_task):
+            if task is not None and not task.done():
+                task.cancel()
         for runner in reversed(self.runners):
             await runner.cleanup()
         self.runners.clear()

@@ -26,6 +26,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
+from polykv_operator import hooks
 from polykv_operator.autoscale.apiservice import desired
 from polykv_operator.manifests import API_SECRET_KEY, api_key_secret_name
 from polykv_testenv import ApiError, ControlPlane, ProcessNode, pki
@@ -45,6 +46,7 @@ from .test_operator import (
     pool_manifest,
     replicas,
 )
+from .test_rbac import As, token_of
 
 pytestmark = pytest.mark.k8s
 
@@ -83,6 +85,7 @@ def provider(
         "POLYKV_OPERATOR_EXTERNAL_METRICS_CERT": str(cert),
         "POLYKV_OPERATOR_EXTERNAL_METRICS_KEY": str(key),
         "POLYKV_OPERATOR_EXTERNAL_METRICS_SERVICE": f"{namespace}/{SERVICE}",
+        "POLYKV_OPERATOR_EXTERNAL_METRICS_CA": str(ca.cert),
     }
     with operator_running(k8s_cluster, namespace, operator_kubeconfig, tmp_path, **env) as op:
         # Endpoints cannot hold loopback addresses; the aggregator resolves an ExternalName
@@ -90,7 +93,8 @@ def provider(
         svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": SERVICE}}
         svc["spec"] = {"type": "ExternalName", "externalName": "127.0.0.1"}
         k8s_cluster.apply(svc, namespace)
-        k8s_cluster.apply(desired(namespace, SERVICE, tls_port, ca.cert.read_bytes()))
+        # As the chart renders it: no caBundle. The operator sets it from its CA.
+        k8s_cluster.apply(desired(namespace, SERVICE, tls_port))
         try:
             yield Provider(op, namespace, json_port, tls_port)
         finally:
@@ -646,6 +650,7 @@ def test_the_api_is_not_served_next_to_another_provider(
     namespace: str,
     operator_kubeconfig: Path,
     tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Another provider's APIService in the cluster: the operator does not serve (and does
     not touch it), and the chart refuses to install the provider."""
@@ -676,18 +681,67 @@ def test_the_api_is_not_served_next_to_another_provider(
                 httpx.get(f"https://127.0.0.1:{tls_port}/healthz", verify=False, timeout=5)
             after = k8s_cluster.api.get(APISERVICE)
             assert after["spec"]["service"]["namespace"] == "keda"  # untouched
-        # Nor does the chart install it: it looks the APIService up and refuses.
-        out = k8s_cluster.helm(
-            "install", "scaler", str(ROOT / "helm" / "polykv"), "-n", namespace,
-            "--dry-run=server", "--set", "autoscaling.externalMetrics.enabled=true",
-            check=False,
+        # Nor does the chart install it: its pre-install job (this code, with the job's
+        # arguments) looks the APIService up and refuses, making no certificate.
+        code = hooks.main(
+            ["external-metrics-tls", f"--namespace={namespace}", "--secret=em-cert",
+             f"--service={SERVICE}"]
         )  # fmt: skip
-        assert out.returncode != 0, out.stdout[-2000:]
-        assert "another external metrics provider" in out.stderr, out.stderr
-        assert "keda/keda-operator-metrics-apiserver" in out.stderr, out.stderr
+        refusal = capsys.readouterr().err
+        assert code == 1, refusal
+        assert "another external metrics provider" in refusal, refusal
+        assert "keda/keda-operator-metrics-apiserver" in refusal, refusal
+        assert (
+            get_or_none(k8s_cluster.api, f"/api/v1/namespaces/{namespace}/secrets/em-cert") is None
+        )
     finally:
         try:
             k8s_cluster.api.delete(APISERVICE)
         except ApiError as exc:
             if exc.status != 404:
                 raise
+
+
+def test_the_operator_changes_nothing_of_its_apiservice_but_the_ca_bundle(
+    k8s_cluster: ControlPlane, namespace: str, operator_kubeconfig: Path, tmp_path: Path
+) -> None:
+    """With the operator's token (external-metrics-rbac.yaml: patch on the one APIService,
+    and the admission policy): the caBundle may be set; where the group is routed, its
+    priority, its labels may not."""
+    k8s_cluster.kubectl(
+        "apply", "-f", str(ROOT / "operator" / "deploy" / "external-metrics-rbac.yaml")
+    )
+    k8s_cluster.apply(desired(namespace, SERVICE, 443))
+    client = As(k8s_cluster, token_of(operator_kubeconfig))
+    merge = "application/merge-patch+json"
+    reroute = {"spec": {"service": {"namespace": "kube-system", "name": "evil", "port": 443}}}
+    try:
+        eventually(
+            "the admission policy is in effect",
+            lambda: (
+                True
+                if client.call("PATCH", f"{APISERVICE}?dryRun=All", reroute, merge).status_code
+                == 403
+                else None
+            ),
+            60,
+        )
+        ca = base64.b64encode(pki.authority(tmp_path, "em").cert.read_bytes()).decode()
+        r = client.call("PATCH", APISERVICE, {"spec": {"caBundle": ca}}, merge)
+        assert r.status_code == 200, r.text
+        for bad in (
+            reroute,
+            {"spec": {"groupPriorityMinimum": 20000}},
+            {"spec": {"insecureSkipTLSVerify": True, "caBundle": None}},
+            {"metadata": {"labels": {"app.kubernetes.io/part-of": "other"}}},
+        ):
+            r = client.call("PATCH", APISERVICE, bad, merge)
+            assert r.status_code == 403, (bad, r.text)
+        live = k8s_cluster.api.get(APISERVICE)["spec"]
+        assert live["service"]["namespace"] == namespace and live["caBundle"] == ca
+    finally:
+        client.http.close()
+        k8s_cluster.kubectl(
+            "delete", "apiservice", "v1beta1.external.metrics.k8s.io", "--wait=true",
+            check=False, timeout_s=90,
+        )  # fmt: skip

@@ -315,14 +315,34 @@ def test_rendered_chart_passes_server_side_dry_run(
         "wait", "--for=condition=Established", "crd", "-l", "app.kubernetes.io/part-of=polykv"
     )
     values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump(release_values(namespace)))
+    # With the opt-in external metrics API too: its admission policy's CEL is compiled by
+    # the API server.
+    em = {"autoscaling": {"externalMetrics": {"enabled": True}}}
+    values.write_text(yaml.safe_dump({**release_values(namespace), **em}))
+    # --dry-run=server: the chart reads the API server's address from the cluster.
     rendered = k8s_cluster.helm(
-        "template", "dry", str(CHART), "-n", namespace, "-f", str(values)
+        "template", "dry", str(CHART), "-n", namespace, "-f", str(values), "--dry-run=server"
     ).stdout
     docs = [d for d in yaml.safe_load_all(rendered) if d]
     assert len(docs) > 20
+    (operator_policy,) = (
+        d
+        for d in docs
+        if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "dry-polykv-operator"
+    )
+    service_ip = k8s_cluster.api.get("/api/v1/namespaces/default/services/kubernetes")["spec"][
+        "clusterIP"
+    ]
+    assert operator_policy["spec"]["egress"][0]["to"] == [{"ipBlock": {"cidr": f"{service_ip}/32"}}]
     out = k8s_cluster.kubectl(
-        "apply", "--dry-run=server", "-n", namespace, "-f", "-", input=rendered, check=False
+        # Every rendered object names its namespace (one is in kube-system: the
+        # front-proxy CA reader's binding).
+        "apply",
+        "--dry-run=server",
+        "-f",
+        "-",
+        input=rendered,
+        check=False,
     )
     assert out.returncode == 0, out.stderr
     assert "Warning" not in out.stderr, out.stderr  # a PSA warning would show here

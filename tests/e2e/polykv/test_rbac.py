@@ -113,6 +113,30 @@ def pending_pod(name: str, labels: dict[str, str]) -> Obj:
     }
 
 
+def replicaset_pod(cluster: ControlPlane, namespace: str, engine: str) -> str:
+    """The pod of a ReplicaSet named like an engine Deployment's (<engine>-<hash>), made as
+    that Deployment would make it; no node runs it."""
+    hash_ = "5d8f7c9b4"
+    labels = {**OURS, "polykv.io/engine": engine, "pod-template-hash": hash_}
+    template = pending_pod("", labels)
+    del template["metadata"]["name"]
+    replicaset = {
+        "apiVersion": "apps/v1",
+        "kind": "ReplicaSet",
+        "metadata": {"name": f"{engine}-{hash_}", "labels": labels},
+        "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "template": template},
+    }
+    cluster.api.create(f"/apis/apps/v1/namespaces/{namespace}/replicasets", replicaset)
+
+    def probe() -> str | None:
+        pods = cluster.api.get(
+            f"/api/v1/namespaces/{namespace}/pods", labelSelector=f"pod-template-hash={hash_}"
+        )["items"]
+        return str(pods[0]["metadata"]["name"]) if pods else None
+
+    return eventually(f"the pod of ReplicaSet {engine}-{hash_}", probe, 60)
+
+
 def refused(resp: httpx.Response) -> bool:
     return resp.status_code == 403
 
@@ -179,12 +203,15 @@ def test_the_operators_token_cannot_mint_tokens_read_secrets_or_swap_images(
     mine = operator_api.call("POST", f"{ns}/secrets", secret("eng-polykv-admin", OURS))
     assert mine.status_code == 201, mine.text
 
-    # Pods: another team's pod, and one that carries the engine labels, cannot get a new
-    # image; the engine pod's deletion cost and readiness gate can change, nothing else.
+    # Pods: no pod gets a new image. Another team's pod, and one that carries the engine
+    # labels but that no ReplicaSet <engine>-<pod-template-hash> controls, get nothing
+    # else either; a pod of an engine's ReplicaSet may get its deletion cost and readiness
+    # gate, nothing else.
     k8s_cluster.api.create(f"{ns}/pods", pending_pod("theirs", {"app": "theirs"}))
     k8s_cluster.api.create(f"{ns}/pods", pending_pod("eng-0", OURS))
+    replica = replicaset_pod(k8s_cluster, namespace, "eng")
     swap = {"spec": {"containers": [{"name": "app", "image": "evil/miner:1"}]}}
-    for name in ("theirs", "eng-0"):
+    for name in ("theirs", "eng-0", replica):
         r = operator_api.call(
             "PATCH", f"{ns}/pods/{name}", swap, "application/strategic-merge-patch+json"
         )
@@ -192,21 +219,29 @@ def test_the_operators_token_cannot_mint_tokens_read_secrets_or_swap_images(
         live = k8s_cluster.api.get(f"{ns}/pods/{name}")
         assert live["spec"]["containers"][0]["image"] == "polykv/testserver:1"
     cost = {"metadata": {"annotations": {COST: "3"}}}
-    r = operator_api.call("PATCH", f"{ns}/pods/theirs", cost, "application/merge-patch+json")
-    assert refused(r), r.text
-    r = operator_api.call("PATCH", f"{ns}/pods/eng-0", cost, "application/merge-patch+json")
+    gate = {"status": {"conditions": [{"type": "polykv.io/pools-ready", "status": "True"}]}}
+    for name in ("theirs", "eng-0"):
+        r = operator_api.call("PATCH", f"{ns}/pods/{name}", cost, "application/merge-patch+json")
+        assert refused(r), r.text
+        r = operator_api.call(
+            "PATCH", f"{ns}/pods/{name}/status", gate, "application/strategic-merge-patch+json"
+        )
+        assert refused(r), r.text
+    r = operator_api.call("PATCH", f"{ns}/pods/{replica}", cost, "application/merge-patch+json")
     assert r.status_code == 200, r.text
     relabel = {"metadata": {"labels": {"polykv.io/engine": "other"}}}
-    r = operator_api.call("PATCH", f"{ns}/pods/eng-0", relabel, "application/merge-patch+json")
+    r = operator_api.call("PATCH", f"{ns}/pods/{replica}", relabel, "application/merge-patch+json")
     assert refused(r), r.text
-    gate = {"status": {"conditions": [{"type": "polykv.io/pools-ready", "status": "True"}]}}
+    orphan = {"metadata": {"ownerReferences": None}}
+    r = operator_api.call("PATCH", f"{ns}/pods/{replica}", orphan, "application/merge-patch+json")
+    assert refused(r), r.text
     r = operator_api.call(
-        "PATCH", f"{ns}/pods/eng-0/status", gate, "application/strategic-merge-patch+json"
+        "PATCH", f"{ns}/pods/{replica}/status", gate, "application/strategic-merge-patch+json"
     )
     assert r.status_code == 200, r.text
     ready = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
     r = operator_api.call(
-        "PATCH", f"{ns}/pods/eng-0/status", ready, "application/strategic-merge-patch+json"
+        "PATCH", f"{ns}/pods/{replica}/status", ready, "application/strategic-merge-patch+json"
     )
     assert refused(r), r.text
 
@@ -243,7 +278,7 @@ def test_the_operators_token_cannot_mint_tokens_read_secrets_or_swap_images(
     binding: Obj = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
-        "metadata": {"name": "eng-router", "labels": OURS},
+        "metadata": {"name": "eng-router-pod-reader", "labels": OURS},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ""},
         "subjects": [{"kind": "ServiceAccount", "name": "eng-router", "namespace": namespace}],
     }
@@ -254,8 +289,17 @@ def test_the_operators_token_cannot_mint_tokens_read_secrets_or_swap_images(
     binding["roleRef"]["name"] = "polykv-router"
     r = operator_api.call("POST", rbac, binding)
     assert r.status_code == 201, r.text
-    binding["metadata"]["name"] = "other"
-    r = operator_api.call("POST", rbac, binding)  # subject is not the binding's own account
+    for name in ("other", "eng-router"):  # the subject is not the binding's own account
+        binding["metadata"]["name"] = name
+        r = operator_api.call("POST", rbac, binding)
+        assert refused(r), r.text
+    # Nor may an update give the binding to another account.
+    elsewhere = {
+        "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}]
+    }
+    r = operator_api.call(
+        "PATCH", f"{rbac}/eng-router-pod-reader", elsewhere, "application/merge-patch+json"
+    )
     assert refused(r), r.text
 
     # Kube-system is no different: no pod there gets a new image.
@@ -278,7 +322,9 @@ def test_watch_namespaces_confine_the_operator_to_them(
     namespaced anywhere else (another namespace, cluster-wide)."""
     release = f"scoped-{namespace}"
     values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump({"operator": {"watchNamespaces": [namespace]}}))
+    # Rendered without the cluster (helm template): the API server's address is given.
+    offline = {"networkPolicy": {"apiServer": {"cidrs": ["10.0.0.1/32"]}}}
+    values.write_text(yaml.safe_dump({"operator": {"watchNamespaces": [namespace]}, **offline}))
     rendered = k8s_cluster.helm(
         "template", release, str(ROOT / "helm" / "polykv"), "-n", namespace, "-f", str(values),
         "--show-only", "templates/rbac.yaml", "--show-only", "templates/serviceaccount.yaml",

@@ -179,7 +179,8 @@ def test_the_operator_deploys_a_router_that_finds_the_engine_pods(routed: Routed
     api = routed.cluster.api
     # Owned by the engine, and allowed exactly what it needs.
     rbac = "/apis/rbac.authorization.k8s.io/v1"
-    binding = api.get(f"{rbac}/namespaces/{routed.namespace}/rolebindings/eng-router")
+    bindings = f"{rbac}/namespaces/{routed.namespace}/rolebindings"
+    binding = api.get(f"{bindings}/eng-router-pod-reader")
     assert binding["roleRef"]["kind"] == "ClusterRole"
     role = api.get(f"{rbac}/clusterroles/{binding['roleRef']['name']}")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
@@ -363,7 +364,8 @@ def test_the_router_goes_when_spec_router_is_turned_off(routed: Routed) -> None:
         f"{ns}/services/eng-router",
         f"{ns}/serviceaccounts/eng-router",
         f"/apis/apps/v1/namespaces/{routed.namespace}/deployments/eng-router",
-        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{routed.namespace}/rolebindings/eng-router",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{routed.namespace}/rolebindings/"
+        "eng-router-pod-reader",
     )
     eventually(
         "router objects deleted",
