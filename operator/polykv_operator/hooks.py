@@ -230,10 +230,9 @@ def check(
             print(f"ok: {ref} {replica['pod']} healthy, holds {sorted(declared)}", file=out)
 
 
-def ensure_master_key(namespace: str, secret: str, key: str) -> str:
-    """Creates Secret `secret` with a random `key` unless it exists; says which."""
-    import secrets as random_source
-
+def _create_once(namespace: str, secret: str, body: Callable[[], dict[str, Any]]) -> str:
+    """Creates Secret `secret` from `body()` unless it exists (then `body` is not called);
+    says which. Another sync's job making it meanwhile is the same as finding it."""
     client = _clients()
     core = client.CoreV1Api()
     try:
@@ -242,25 +241,33 @@ def ensure_master_key(namespace: str, secret: str, key: str) -> str:
     except client.ApiException as exc:
         if exc.status != 404:
             raise
-    body = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": secret,
-            "labels": {"app.kubernetes.io/part-of": "polykv"},
-            # Never deleted with the release: a reinstall keeps every engine's admin key.
-            "annotations": {"helm.sh/resource-policy": "keep"},
-        },
-        "type": "Opaque",
-        "stringData": {key: random_source.token_urlsafe(48)},
-    }
     try:
-        core.create_namespaced_secret(namespace, body)
+        core.create_namespaced_secret(namespace, {"apiVersion": "v1", "kind": "Secret", **body()})
     except client.ApiException as exc:
-        if exc.status != 409:  # another sync's job made it meanwhile: that one stays
+        if exc.status != 409:
             raise
         return f"kept {namespace}/{secret}"
     return f"created {namespace}/{secret}"
+
+
+def ensure_master_key(namespace: str, secret: str, key: str) -> str:
+    """Creates Secret `secret` with a random `key` unless it exists; says which."""
+    import secrets as random_source
+
+    return _create_once(
+        namespace,
+        secret,
+        lambda: {
+            "metadata": {
+                "name": secret,
+                "labels": {"app.kubernetes.io/part-of": "polykv"},
+                # Never deleted with the release: a reinstall keeps every engine's admin key.
+                "annotations": {"helm.sh/resource-policy": "keep"},
+            },
+            "type": "Opaque",
+            "stringData": {key: random_source.token_urlsafe(48)},
+        },
+    )
 
 
 def ensure_external_metrics_tls(namespace: str, secret: str, service: str) -> str:
@@ -288,29 +295,17 @@ def ensure_external_metrics_tls(namespace: str, secret: str, service: str) -> st
                 f"prometheus-adapter) serves this cluster. {v.message}; with the chart: "
                 "autoscaling.kind=keda"
             )
-    core = client.CoreV1Api()
-    try:
-        core.read_namespaced_secret(secret, namespace)
-        return f"kept {namespace}/{secret}"
-    except client.ApiException as exc:
-        if exc.status != 404:
-            raise
-    made = serving_certificate(service_names(service, namespace))
-    data = {"ca.crt": made.ca_pem, "tls.crt": made.cert_pem, "tls.key": made.key_pem}
-    body = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {"name": secret, "labels": {"app.kubernetes.io/part-of": "polykv"}},
-        "type": "kubernetes.io/tls",
-        "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
-    }
-    try:
-        core.create_namespaced_secret(namespace, body)
-    except client.ApiException as exc:
-        if exc.status != 409:  # another sync's job made it meanwhile: that one stays
-            raise
-        return f"kept {namespace}/{secret}"
-    return f"created {namespace}/{secret}"
+
+    def body() -> dict[str, Any]:
+        made = serving_certificate(service_names(service, namespace))
+        data = {"ca.crt": made.ca_pem, "tls.crt": made.cert_pem, "tls.key": made.key_pem}
+        return {
+            "metadata": {"name": secret, "labels": {"app.kubernetes.io/part-of": "polykv"}},
+            "type": "kubernetes.io/tls",
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
+        }
+
+    return _create_once(namespace, secret, body)
 
 
 class ProviderTaken(RuntimeError):

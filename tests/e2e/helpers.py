@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
+
+import yaml
 
 from polykv_testenv import ApiError, ControlPlane, Kube
 from polykv_testenv.waiting import wait_for
@@ -18,6 +21,26 @@ WIDGETS = f"/apis/{GROUP}/v1/namespaces/{{ns}}/widgets"
 
 def eventually(what: str, probe: Callable[[], T | None], timeout_s: float = 60) -> T:
     return wait_for(what, probe, timeout_s, interval_s=0.2)
+
+
+def kubeconfig_for(cluster: ControlPlane, token: str, path: Path) -> Path:
+    """A kubeconfig at `path` that logs in to `cluster` with a bearer token."""
+    creds = cluster.credentials
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "c",
+                "cluster": {"server": creds.server, "certificate-authority": str(creds.ca_file)},
+            }
+        ],
+        "users": [{"name": "token", "user": {"token": token}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "token"}}],
+        "current-context": "c",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def get_or_none(api: Kube, path: str) -> Obj | None:

@@ -143,6 +143,7 @@ def test_operator_image_entrypoint_and_modules(operator_image: Image) -> None:
     assert "--all-namespaces" in help_run.stdout and "--standalone" in help_run.stdout
     code = (
         "import polykv_operator.main, polykv_operator.hooks, kopf, os; "
+        "import polykv_operator.autoscale.serving_cert; "
         "print('uid', os.getuid(), 'gid', os.getgid())"
     )
     out = Container(operator_image, command=["python", "-c", code]).run()

@@ -13,6 +13,7 @@ from polykv_testenv import ControlPlane, ProcessNode
 
 from ..helpers import Obj, eventually, get_or_none, gone
 from .test_operator import apply, engine_manifest, get, operator_running
+from .test_ownership import FOREIGN, stalled_with
 from .test_rbac import As, refused, token_of
 
 pytestmark = pytest.mark.k8s
@@ -76,6 +77,22 @@ def test_every_engine_and_router_gets_its_policy_where_it_is(
             60,
         )
         assert get_or_none(k8s_cluster.api, policy_path(namespace, "web")) is not None
+
+        # Another team's policy under an engine's name: the engine stalls, theirs stays.
+        theirs = {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "api", "labels": FOREIGN},
+            "spec": {"podSelector": {"matchLabels": FOREIGN}, "policyTypes": ["Ingress"]},
+        }
+        apply(k8s_cluster, namespace, theirs)
+        before = k8s_cluster.api.get(policy_path(namespace, "api"))["metadata"]
+        apply(k8s_cluster, namespace, engine_manifest("api", replicas=0))
+        why, _ = stalled_with(k8s_cluster, namespace, "api", "NetworkPolicy api")
+        assert why == "NameClash"
+        after = k8s_cluster.api.get(policy_path(namespace, "api"))["metadata"]
+        assert after["resourceVersion"] == before["resourceVersion"]
+        assert "ownerReferences" not in after
 
 
 def test_the_operator_cannot_fence_pods_that_are_not_its_engines(

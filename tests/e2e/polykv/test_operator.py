@@ -23,7 +23,6 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from polykv_api.models import PoolStatus
 from polykv_operator.manifests import admin_key
@@ -33,7 +32,7 @@ from polykv_testenv.kubeapi import Gone
 from polykv_testenv.operator import OperatorProcess
 from polykv_testenv.waiting import free_port
 
-from ..helpers import Obj, condition, eventually, get_or_none
+from ..helpers import Obj, condition, eventually, get_or_none, kubeconfig_for
 
 pytestmark = pytest.mark.k8s
 
@@ -75,23 +74,7 @@ def operator_kubeconfig(
     token = k8s_cluster.kubectl(
         "create", "token", "polykv-operator", "-n", "polykv-system", "--duration=3h"
     ).stdout.strip()
-    creds = k8s_cluster.credentials
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "c",
-                "cluster": {"server": creds.server, "certificate-authority": str(creds.ca_file)},
-            }
-        ],
-        "users": [{"name": "polykv-operator", "user": {"token": token}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "polykv-operator"}}],
-        "current-context": "c",
-    }
-    path = tmp_path_factory.mktemp("operator") / "kubeconfig"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return kubeconfig_for(k8s_cluster, token, tmp_path_factory.mktemp("operator") / "kubeconfig")
 
 
 class Operator:

@@ -1,12 +1,13 @@
 """What the operator's own credentials can and cannot do on the real API server.
 
 The operator's ServiceAccount gets a token from the TokenRequest API (`kubectl create
-token`), with the RBAC and admission policy of operator/deploy/rbac.yaml (the chart's rules
-for an operator serving every namespace). Each attack a cluster-admin-like role would allow
-is tried with that token and refused: minting a service-account token Secret, reading or
-patching a Secret that is not an engine's, swapping a pod's image, running a Deployment as
-another ServiceAccount, binding a stronger role. What the operator needs still passes.
-With `operator.watchNamespaces`, the chart's Roles reach only those namespaces.
+token`), once with the RBAC and admission policy of operator/deploy/rbac.yaml, once with
+those the chart renders (both for an operator serving every namespace). Each attack a
+cluster-admin-like role would allow is tried with that token and refused: minting a
+service-account token Secret, reading or patching a Secret that is not an engine's,
+swapping a pod's image, running a Deployment as another ServiceAccount, binding a stronger
+role. What the operator needs still passes. With `operator.watchNamespaces`, the chart's
+Roles reach only those namespaces.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import ssl
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ import yaml
 
 from polykv_testenv import ControlPlane
 
-from ..helpers import Obj, eventually, get_or_none
+from ..helpers import Obj, eventually, get_or_none, kubeconfig_for
 
 pytestmark = pytest.mark.k8s
 
@@ -55,11 +57,66 @@ def token_of(kubeconfig: Path) -> str:
     return str(yaml.safe_load(kubeconfig.read_text())["users"][0]["user"]["token"])
 
 
-@pytest.fixture
-def operator_api(k8s_cluster: ControlPlane, operator_kubeconfig: Path) -> Iterator[As]:
-    client = As(k8s_cluster, token_of(operator_kubeconfig))
-    yield client
-    client.http.close()
+@dataclass
+class Identity:
+    """The operator's account as one install makes it: its kubeconfig, a client with its
+    token, and the router ClusterRole it binds."""
+
+    kubeconfig: Path
+    api: As
+    router_role: str
+
+
+def chart_rbac(
+    cluster: ControlPlane, release: str, namespace: str, tmp_path: Path, values: Obj
+) -> list[Obj]:
+    """The chart's RBAC, admission policy and ServiceAccount, rendered (helm template: the
+    API server's address is given) and applied in `namespace`."""
+    path = tmp_path / f"{release}-values.yaml"
+    offline = {"networkPolicy": {"apiServer": {"cidrs": ["10.0.0.1/32"]}}}
+    path.write_text(yaml.safe_dump({**values, **offline}))
+    rendered = cluster.helm(
+        "template", release, str(ROOT / "helm" / "polykv"), "-n", namespace, "-f", str(path),
+        "--show-only", "templates/rbac.yaml", "--show-only", "templates/serviceaccount.yaml",
+    ).stdout  # fmt: skip
+    cluster.apply(rendered)
+    return [d for d in yaml.safe_load_all(rendered) if d]
+
+
+def remove_cluster_scoped(cluster: ControlPlane, docs: list[Obj]) -> None:
+    for d in docs:
+        if "namespace" not in d["metadata"]:
+            cluster.kubectl("delete", d["kind"], d["metadata"]["name"], check=False)
+
+
+@pytest.fixture(params=["plain manifests", "rendered chart"])
+def identity(
+    request: pytest.FixtureRequest,
+    k8s_cluster: ControlPlane,
+    namespace: str,
+    operator_kubeconfig: Path,
+    tmp_path: Path,
+) -> Iterator[Identity]:
+    """operator/deploy/rbac.yaml's account, or the one the chart installs (serving every
+    namespace) with the chart's own rendered RBAC and admission policy."""
+    docs: list[Obj] = []
+    if request.param == "plain manifests":
+        kubeconfig, router_role = operator_kubeconfig, "polykv-router"
+    else:
+        release = f"rbac-{namespace}"
+        docs = chart_rbac(k8s_cluster, release, namespace, tmp_path, {})
+        account = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]["name"]
+        token = k8s_cluster.kubectl(
+            "create", "token", account, "-n", namespace, "--duration=1h"
+        ).stdout.strip()
+        kubeconfig = kubeconfig_for(k8s_cluster, token, tmp_path / "chart-kubeconfig")
+        router_role = f"{release}-polykv-operator-router"
+    client = As(k8s_cluster, token_of(kubeconfig))
+    try:
+        yield Identity(kubeconfig, client, router_role)
+    finally:
+        client.http.close()
+        remove_cluster_scoped(k8s_cluster, docs)
 
 
 def can_i_list(
@@ -142,8 +199,9 @@ def refused(resp: httpx.Response) -> bool:
 
 
 def test_the_operators_token_cannot_mint_tokens_read_secrets_or_swap_images(
-    k8s_cluster: ControlPlane, namespace: str, operator_kubeconfig: Path, operator_api: As
+    k8s_cluster: ControlPlane, namespace: str, identity: Identity
 ) -> None:
+    operator_api = identity.api
     ns = f"/api/v1/namespaces/{namespace}"
     # A new ValidatingAdmissionPolicy is enforced once the API server's admission plugin
     # has read it: wait until a write it refuses (a dry run) is refused.
@@ -156,7 +214,7 @@ def test_the_operators_token_cannot_mint_tokens_read_secrets_or_swap_images(
         ),
         60,
     )
-    table, named = can_i_list(k8s_cluster, operator_kubeconfig, namespace)
+    table, named = can_i_list(k8s_cluster, identity.kubeconfig, namespace)
     print("can-i --list:", json.dumps({k: sorted(v) for k, v in sorted(table.items())}))
     print(
         "by name:", json.dumps({k: {n: sorted(v) for n, v in d.items()} for k, d in named.items()})
@@ -166,10 +224,11 @@ def test_the_operators_token_cannot_mint_tokens_read_secrets_or_swap_images(
     assert not any("*" in verbs or "get" in verbs for verbs in table.values()), table
     assert "roles.rbac.authorization.k8s.io" not in table
     assert "pods/exec" not in table
-    # The one read by name: the APIService the operator serves behind, and only when the
-    # opt-in external metrics API's rules (external-metrics-rbac.yaml) are applied, as the
-    # autoscaling tests on this cluster do.
-    assert named in ({}, {"apiservices.apiregistration.k8s.io": {EXTERNAL_METRICS: {"get"}}})
+    # The one rule by name: the APIService the operator serves behind (read, and its
+    # caBundle set), and only when the opt-in external metrics API's rules
+    # (external-metrics-rbac.yaml) are applied, as the autoscaling tests on this cluster do.
+    by_name = {"apiservices.apiregistration.k8s.io": {EXTERNAL_METRICS: {"get", "patch"}}}
+    assert named in ({}, by_name)
 
     # Another team's Secret: not readable, and a patch (which answers with the object) is
     # refused before it returns anything, even under an engine's Secret name.
@@ -286,7 +345,7 @@ def test_the_operators_token_cannot_mint_tokens_read_secrets_or_swap_images(
         binding["roleRef"]["name"] = role
         r = operator_api.call("POST", rbac, binding)
         assert refused(r), r.text
-    binding["roleRef"]["name"] = "polykv-router"
+    binding["roleRef"]["name"] = identity.router_role
     r = operator_api.call("POST", rbac, binding)
     assert r.status_code == 201, r.text
     for name in ("other", "eng-router"):  # the subject is not the binding's own account
@@ -321,17 +380,9 @@ def test_watch_namespaces_confine_the_operator_to_them(
     """The chart rendered with operator.watchNamespaces=[namespace]: a Role there, nothing
     namespaced anywhere else (another namespace, cluster-wide)."""
     release = f"scoped-{namespace}"
-    values = tmp_path / "values.yaml"
-    # Rendered without the cluster (helm template): the API server's address is given.
-    offline = {"networkPolicy": {"apiServer": {"cidrs": ["10.0.0.1/32"]}}}
-    values.write_text(yaml.safe_dump({"operator": {"watchNamespaces": [namespace]}, **offline}))
-    rendered = k8s_cluster.helm(
-        "template", release, str(ROOT / "helm" / "polykv"), "-n", namespace, "-f", str(values),
-        "--show-only", "templates/rbac.yaml", "--show-only", "templates/serviceaccount.yaml",
-    ).stdout  # fmt: skip
-    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    values = {"operator": {"watchNamespaces": [namespace]}}
+    docs = chart_rbac(k8s_cluster, release, namespace, tmp_path, values)
     assert {d["kind"] for d in docs} >= {"ClusterRole", "Role", "RoleBinding", "ServiceAccount"}
-    k8s_cluster.apply(rendered)
     account = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]["name"]
     token = k8s_cluster.kubectl(
         "create", "token", account, "-n", namespace, "--duration=1h"
@@ -366,10 +417,7 @@ def test_watch_namespaces_confine_the_operator_to_them(
         assert r.status_code == 200, r.text
     finally:
         client.http.close()
-        for d in docs:
-            if d["kind"] in ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
-                             "ValidatingAdmissionPolicyBinding"):  # fmt: skip
-                k8s_cluster.kubectl("delete", d["kind"], d["metadata"]["name"], check=False)
+        remove_cluster_scoped(k8s_cluster, docs)
 
 
 def _plain_deployment() -> Obj:
