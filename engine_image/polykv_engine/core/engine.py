@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from polykv_api.models import Reason
+from polykv_engine.core.prefix import AttachedPool, waits_for_shared_prefix
 from polykv_engine.core.scheduler import (
     ActiveSlot,
     Shed,
@@ -58,14 +59,9 @@ from polykv_engine.policy.step_time import (
 )
 from polykv_engine.policy.tps import SessionRate, ThroughputRate
 from polykv_engine.pools.manager import PoolManager
-from polykv_engine.pools.tree import Pool, PoolError
-from polykv_engine.tokens import common_prefix_len
+from polykv_engine.pools.tree import PoolError
 
 log = logging.getLogger("polykv.engine")
-
-# A prompt waits for another slot's prefill only when it would then share at least this
-# many more tokens: below it, computing them in parallel costs less than waiting.
-SHARE_WAIT_MIN_TOKENS = 64
 
 # While sessions decode, the snapshot (every slot and pool, copied) is published at most this
 # often instead of after every step: at 240 pools it was 3.8% of a one-stream step. A
@@ -133,8 +129,6 @@ class Engine:
         self._pools: PoolManager | None = None
         self._slots: SlotTable | None = None
         self.pools_disabled_reason: str | None = None
-        self._reclaim_key: tuple[int, tuple[int, ...]] | None = None
-        self._reclaim_cells = 0
         self._arrived = False  # a request was queued since the last arrival barrier
         self.arrival_barrier: Callable[[float], None] | None = None
         """Set by the server before ``start()``. Called on the engine thread when requests
@@ -194,11 +188,6 @@ class Engine:
     def rt(self) -> LlamaRuntime:
         assert self.runtime is not None
         return self.runtime
-
-    @property
-    def kv(self) -> KVCache:
-        assert self._kv is not None
-        return self._kv
 
     @property
     def pools(self) -> PoolManager:
@@ -471,44 +460,6 @@ class Engine:
         task.pool = pool
         return True
 
-    def _attach(self, slot: Slot, task: GenerateTask, pool: Pool) -> int:
-        """Make the slot's sequence start with the pool's cells; returns P (shared length)."""
-        assert pool.seq_id is not None
-        prompt = task.prompt
-        if task.pool_p is not None:
-            p = task.pool_p
-            if p > pool.prefix_len:
-                raise PoolError(
-                    409,
-                    "prefix_mismatch",
-                    f"shared_prefix_n_tokens {p} exceeds pool {pool.label!r}'s prefix_len "
-                    f"{pool.prefix_len}",
-                )
-            d = common_prefix_len(prompt[:p], pool.tokens[:p])
-            if d < p:
-                raise PoolError(
-                    409,
-                    "prefix_mismatch",
-                    f"the prompt differs from pool {pool.label!r} at token {d}, inside the "
-                    f"declared shared prefix of {p} tokens",
-                )
-        else:
-            p = common_prefix_len(prompt, pool.tokens)  # auto-P
-        p = min(p, len(prompt) - 1)  # the last prompt token is recomputed for its logits
-        own = common_prefix_len(slot.cache_tokens, prompt) if task.cache_prompt else 0
-        if p > own:
-            self.slots.forget_kv(slot)
-            self.kv.share(pool.seq_id, slot.slot_id, 0, p)
-            slot.cache_tokens.extend(prompt[:p])
-        else:
-            # The slot's cache already holds the pool's tokens, in cells it computed itself
-            # (it ran before the pool existed): swap them for the pool's, so the session is
-            # linked to its pool (admission counts it) and its private copy is freed.
-            linked = self.kv.model.common_cells(slot.slot_id, pool.seq_id)
-            self.kv.rebase(pool.seq_id, slot.slot_id, linked, p)
-        pool.last_access_ts = time.time()
-        return p
-
     def _begin(self, slot: Slot, task: GenerateTask) -> None:
         now = time.perf_counter()
         self.slots.park_due = True  # others may now be worth parking
@@ -518,13 +469,15 @@ class Engine:
             self.slots.forget_kv(slot)
         restored = self.slots.unpark(slot, task.prompt if task.cache_prompt else [])
         self._bump(kv_unparked_tokens=restored)
-        p_shared = 0
-        if task.pool is not None:
-            try:
-                p_shared = self._attach(slot, task, task.pool)
-            except PoolError as exc:
-                self._fail_pool(task, exc, "conflict_error")
-                return
+        pool = task.pool
+        share = task.cache_prompt and self._auto_share
+        try:
+            plan = self.slots.plan_prefix(slot, task, self._attached(task), share)
+        except PoolError as exc:
+            self._fail_pool(task, exc, "conflict_error")
+            return
+        if pool is not None:
+            pool.last_access_ts = time.time()
         same_session = (
             task.session_id is not None
             and slot.session_id == task.session_id
@@ -533,18 +486,14 @@ class Engine:
         task.prev_tps = slot.rate.tps if same_session else 0.0
         task.slot_id = slot.slot_id
         self.slots.bind(slot, task.tenant, task.session_id)
-        keep = common_prefix_len(slot.cache_tokens, task.prompt)
-        if not task.cache_prompt:
-            keep = min(keep, p_shared)
-        keep = min(keep, len(task.prompt) - 1)  # the last prompt token is recomputed for logits
-        keep = self._swa_reusable(slot, keep)
-        self.kv.truncate(slot.slot_id, keep)
-        del slot.cache_tokens[keep:]
-        if task.cache_prompt and self._auto_share:
-            keep = self._share_prefix(slot, task, keep)
-        self._update_pool_link(slot, task.pool)
-        if task.pool is not None and task.pool.seq_id is not None:
-            task.shared_prefix = self.kv.model.common_cells(slot.slot_id, task.pool.seq_id)
+        self.slots.apply_prefix(slot, plan, task.prompt)
+        if plan.auto_shared > 0:
+            self._bump(auto_shared_tokens=plan.auto_shared)
+        keep = plan.reuse
+        before = self.pools.tree.pools.get(slot.pool_id) if slot.pool_id is not None else None
+        shared = self.slots.link_pool(slot, pool if pool is not None else before)
+        if pool is not None and pool.seq_id is not None:
+            task.shared_prefix = shared
         slot.shared_prefix = task.shared_prefix if slot.pool_id is not None else 0
         sampling = task.sampling.resolved()
         slot.sampler = self.rt.new_sampler(sampling)
@@ -605,89 +554,25 @@ class Engine:
         cache: a split cache gives every slot its own cells, so nothing can be shared)."""
         return self.cfg.auto_share and self.rt.cfg.kv_unified and self._plain_kv
 
-    def _resident_prefix(self, slot: Slot | None, task: GenerateTask) -> tuple[int, int]:
-        """(sequence id, P): the resident sequence other than ``slot`` whose cells hold the
-        longest prefix of the task's prompt: a session's prompt cache, a running session's
-        context or the part of a prompt already prefilled, all of the task's own tenant
-        (another tenant's would tell, through cache_n and the prefill time, what its prompts
-        hold), or the pool the task attached (a pool it did not name is not searched: that
-        would confirm the pool's prompt token by token to a client that never attaches it)."""
-        prompt = task.prompt
-        best_seq, best = -1, 0
-        for other in self.slots.slots:
-            if other is not slot and other.tenant == task.tenant and len(other.cache_tokens) > best:
-                p = common_prefix_len(other.cache_tokens, prompt)
-                if p > best:
-                    best_seq, best = other.slot_id, p
+    def _attached(self, task: GenerateTask) -> AttachedPool | None:
+        """The task's pool as prefix reuse sees it: only a resident pool has cells."""
         pool = task.pool
-        if pool is not None and pool.residency == "resident" and pool.seq_id is not None:
-            p = common_prefix_len(pool.tokens, prompt)
-            if p > best:
-                best_seq, best = pool.seq_id, p
-        return best_seq, best
-
-    def _share_prefix(self, slot: Slot, task: GenerateTask, keep: int) -> int:
-        """Automatic prefix sharing: extend the slot's reused prefix with cells another
-        sequence already computed for the same tokens (``seq_cp``: nothing is copied, no
-        token is prefilled twice). Returns the new number of reused prompt tokens."""
-        prompt = task.prompt
-        src, p = self._resident_prefix(slot, task)
-        p = min(p, len(prompt) - 1)  # the last prompt token is recomputed for its logits
-        if p <= keep:
-            return keep
-        self.kv.share(src, slot.slot_id, keep, p)
-        slot.cache_tokens.extend(prompt[keep:p])
-        self._bump(auto_shared_tokens=p - keep)
-        return p
+        if pool is None or pool.residency != "resident" or pool.seq_id is None:
+            return None
+        return AttachedPool(pool.seq_id, pool.tokens, pool.label, task.pool_p)
 
     def _waits_for_a_shared_prefix(self, task: GenerateTask) -> bool:
-        """A prompt whose long prefix another slot is prefilling right now waits for it,
-        then shares those cells instead of computing them a second time in parallel (the
-        agents released together on one system prompt)."""
+        """A prompt whose long prefix another slot is prefilling right now waits for it
+        (``core.prefix.waits_for_shared_prefix``)."""
         if not task.cache_prompt or not self._auto_share:
             return False
-        prefilling = [
-            s for s in self.slots.slots if s.state == "prefill" and s.tenant == task.tenant
-        ]
+        prefilling = self.slots.prefilling(task.tenant)
         if not prefilling:
             return False
-        coming = max(common_prefix_len(s.prompt, task.prompt) for s in prefilling)
-        if coming < SHARE_WAIT_MIN_TOKENS:
-            return False
-        own = self.slots.slot_of(task.tenant, task.session_id)
-        have = common_prefix_len(self.slots[own].cached, task.prompt) if own is not None else 0
-        if task.pool is not None:
-            have = max(have, common_prefix_len(task.pool.tokens, task.prompt))
-        _, resident = self._resident_prefix(None, task)
-        return coming - max(have, resident) >= SHARE_WAIT_MIN_TOKENS
-
-    def _swa_reusable(self, slot: Slot, keep: int) -> int:
-        """On a sliding-window model, cached tokens can be reused only while the window
-        before them is still in the cache (cells that left it may have been recycled)."""
-        n_swa = self.rt.info.n_swa
-        if n_swa <= 0 or keep <= 0 or keep >= len(slot.cache_tokens):
-            return keep
-        pos_min = self.rt.seq_pos_min(slot.slot_id)
-        if pos_min > max(0, keep - n_swa):
-            log.info(
-                "slot %d: the sliding window before position %d was recycled; "
-                "reprocessing the prompt",
-                slot.slot_id,
-                keep,
-            )
-            self.slots.forget_kv(slot)
-            return 0
-        return keep
-
-    def _update_pool_link(self, slot: Slot, pool: Pool | None) -> None:
-        """Keep slot.pool_id true: set while the slot's first cells are still that pool's."""
-        if pool is None and slot.pool_id is not None:
-            pool = self.pools.tree.pools.get(slot.pool_id)
-        if pool is None or pool.seq_id is None:
-            slot.pool_id = None
-            return
-        shared = self.kv.model.common_cells(slot.slot_id, pool.seq_id)
-        slot.pool_id = pool.pool_id if shared > 0 else None
+        residents = self.slots.residents(task.tenant, pool=self._attached(task))
+        pool_tokens = task.pool.tokens if task.pool is not None else None
+        own = self.slots.cached_of(task.tenant, task.session_id)
+        return waits_for_shared_prefix(task.prompt, prefilling, residents, own, pool_tokens)
 
     # ------------------------------------------------------------------ one step
 
@@ -763,17 +648,9 @@ class Engine:
 
     def _shed_view(self) -> ShedView:
         slots = self.slots.slots
-        model = self.kv.model
-        # Idle prompt caches that free cells when dropped; ones nobody shares go first (a
-        # shared one keeps helping another sequence), then the least recently used.
-        idle = [
-            (model.sharers(s.slot_id) > 0, s.last_used, s.slot_id)
-            for s in slots
-            if s.state == "idle" and s.cache_tokens and model.freed_by_clearing([s.slot_id])
-        ]
         snaps = self.slots.snapshots()
         return ShedView(
-            idle_caches=[slot_id for _, _, slot_id in sorted(idle)],
+            idle_caches=self.slots.droppable_caches(),
             reclaimable_pools=[p.pool_id for p in self.pools.reclaimable(snaps, time.time())],
             builds_in_batch=[b.pool.pool_id for b in self.pools.builds_in_batch()],
             active=[
@@ -822,10 +699,9 @@ class Engine:
         for slot in self.slots.slots:
             if slot.batch_tokens == 0:
                 continue
-            self.kv.decoded(slot.slot_id, slot.batch_tokens)
             if slot.state == "prefill":
                 start = slot.n_prompt_done
-                slot.cache_tokens.extend(slot.prompt[start : start + slot.batch_tokens])
+                self.slots.decoded(slot, slot.prompt[start : start + slot.batch_tokens])
                 slot.n_prompt_done += slot.batch_tokens
                 n_prefilled += slot.batch_tokens
                 if slot.logits_idx < 0:
@@ -840,7 +716,7 @@ class Engine:
                 )
             else:
                 assert slot.pending is not None
-                slot.cache_tokens.append(slot.pending)
+                self.slots.decoded(slot, (slot.pending,))
                 slot.pending = None
                 n_decoded += 1
             self._sample(slot, now)
@@ -877,7 +753,7 @@ class Engine:
             self._finish(slot, "limit")
             return
         slot.pending = tok
-        if len(slot.cache_tokens) >= slot.n_ctx:
+        if slot.n_past >= slot.n_ctx:
             # The pending token has no position left in this slot's context.
             if self.cfg.context_shift and self._can_shift(slot):
                 self._shift_context(slot)
@@ -888,8 +764,8 @@ class Engine:
         """A shift moves cell positions; cells shared with a pool or another session would
         move for them too and corrupt them, so such a slot stops cleanly instead."""
         assert slot.task is not None
-        n_keep = min(slot.task.n_keep, len(slot.cache_tokens) - 1)
-        if self.kv.model.shared_from(slot.slot_id, n_keep):
+        n_keep = min(slot.task.n_keep, slot.n_past - 1)
+        if not self.slots.can_shift(slot, n_keep):
             log.info(
                 "slot %d: context full; shared cells are never shifted (clean stop)", slot.slot_id
             )
@@ -899,11 +775,10 @@ class Engine:
     def _shift_context(self, slot: Slot) -> None:
         """Drop half of the slot's history after n_keep so generation can go on."""
         assert slot.task is not None
-        n_past = len(slot.cache_tokens)
+        n_past = slot.n_past
         n_keep = min(slot.task.n_keep, n_past - 1)
         n_discard = (n_past - n_keep) // 2
-        self.kv.shift(slot.slot_id, n_keep, n_discard)
-        del slot.cache_tokens[n_keep : n_keep + n_discard]
+        self.slots.shift(slot, n_keep, n_discard)
         self._bump(context_shifts=1)
         log.info("slot %d: context shift, discarded %d tokens", slot.slot_id, n_discard)
 
@@ -1011,7 +886,7 @@ class Engine:
             aggregate_tps=self._decode_rate.rate(now),
             prefill_tps=self._prefill_rate.rate(now),
             kv_cells_used=self._kv.used if self._kv is not None else 0,
-            kv_cells_reclaimable=self._reclaimable(),
+            kv_cells_reclaimable=self._slots.reclaimable_cells() if self._slots else 0,
             kv_cells_total=rt.n_ctx if rt else 0,
             kv_parked_bytes=self._slots.parked_bytes if self._slots is not None else 0,
             pools=pools,
@@ -1023,19 +898,6 @@ class Engine:
         answers, self._answers = self._answers, []
         for task, done in answers:
             task.sink.emit(done)
-
-    def _reclaimable(self) -> int:
-        """Cells only idle prompt caches hold: a new session gets them by dropping caches,
-        so they count as headroom. Recomputed only when cell ownership or the idle set
-        changed (not on every decoded token)."""
-        if self._kv is None or self._slots is None:
-            return 0
-        idle = tuple(s.slot_id for s in self._slots.slots if s.state == "idle" and s.cache_tokens)
-        key = (self._kv.version, idle)
-        if key != self._reclaim_key:
-            self._reclaim_key = key
-            self._reclaim_cells = self._kv.model.freed_by_clearing(idle)
-        return self._reclaim_cells
 
     def _shutdown(self) -> None:
         msg = "server is shutting down"

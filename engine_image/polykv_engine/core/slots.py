@@ -12,19 +12,23 @@ for them. Engine thread only.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from polykv_engine.core.prefix import AttachedPool, PrefixPlan, Resident, plan
 from polykv_engine.core.snapshot import SlotSnapshot, SlotState
 from polykv_engine.core.tasks import GenerateTask
 from polykv_engine.core.textstream import TextAssembler
 from polykv_engine.kv.cache import KVCache
 from polykv_engine.llama.runtime import Sampler
 from polykv_engine.policy.tps import SessionRate
-from polykv_engine.pools.tree import PoolError
+from polykv_engine.pools.tree import Pool, PoolError
 from polykv_engine.tokens import common_prefix_len
+
+log = logging.getLogger("polykv.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +92,11 @@ class Slot:
     batch_tokens: int = 0  # tokens this slot put in the current batch
 
     @property
+    def n_past(self) -> int:
+        """Positions of the slot's sequence in KV: where its next token goes."""
+        return len(self.cache_tokens)
+
+    @property
     def cache_len(self) -> int:
         """Tokens in the slot's whole prompt cache, resident and parked."""
         return len(self.cache_tokens) + (len(self.parked.tokens) if self.parked else 0)
@@ -139,7 +148,9 @@ class Slot:
 
 
 class SlotTable:
-    """All slots and the session → slot affinity. Engine thread only."""
+    """All slots and the session → slot affinity, and the one door for a slot's KV: each
+    method that changes a slot's cells changes its ``cache_tokens`` in the same call, so the
+    two never disagree. Engine thread only."""
 
     def __init__(
         self, slots: list[Slot], kv: KVCache, scratch: int | None = None, park_budget: int = 0
@@ -152,6 +163,8 @@ class SlotTable:
         self.scratch = scratch
         self.park_budget = park_budget
         self.park_due = False  # a slot began or ended: idle caches may be worth parking
+        self._reclaim_key: tuple[int, tuple[int, ...]] | None = None
+        self._reclaim_cells = 0
 
     @property
     def parked_bytes(self) -> int:
@@ -250,6 +263,133 @@ class SlotTable:
         slot.parked = None
         slot.pool_id = None
         slot.shared_prefix = 0
+
+    def truncate(self, slot: Slot, n: int) -> None:
+        """Keep the first ``n`` tokens of the slot's cache."""
+        self.kv.truncate(slot.slot_id, n)
+        del slot.cache_tokens[n:]
+
+    def decoded(self, slot: Slot, tokens: Sequence[int]) -> None:
+        """``tokens`` were just decoded at the end of the slot's sequence."""
+        self.kv.decoded(slot.slot_id, len(tokens))
+        slot.cache_tokens.extend(tokens)
+
+    def shift(self, slot: Slot, n_keep: int, n_discard: int) -> None:
+        """Context shift: drop [n_keep, n_keep + n_discard) and move the rest down."""
+        self.kv.shift(slot.slot_id, n_keep, n_discard)
+        del slot.cache_tokens[n_keep : n_keep + n_discard]
+
+    def can_shift(self, slot: Slot, n_keep: int) -> bool:
+        """A shift moves cell positions: cells from ``n_keep`` on that another sequence holds
+        (a pool, another session) would move for it too, and be corrupted."""
+        return not self.kv.model.shared_from(slot.slot_id, n_keep)
+
+    # -- prefix reuse (the policy is core.prefix; this applies it)
+
+    def residents(
+        self, tenant: str | None, besides: Slot | None = None, pool: AttachedPool | None = None
+    ) -> list[Resident]:
+        """The sequences automatic sharing may take cells from: the tenant's own slots
+        (another tenant's would tell, through cache_n and the prefill time, what its prompts
+        hold) but ``besides``, then the pool the request attached (a pool it did not name is
+        not searched: that would confirm the pool's prompt token by token to a client that
+        never attaches it)."""
+        found = [
+            Resident(s.slot_id, s.cache_tokens)
+            for s in self.slots
+            if s is not besides and s.tenant == tenant
+        ]
+        if pool is not None:
+            found.append(Resident(pool.seq_id, pool.tokens))
+        return found
+
+    def prefilling(self, tenant: str | None) -> list[list[int]]:
+        """The prompts the tenant's slots are prefilling now."""
+        return [s.prompt for s in self.slots if s.state == "prefill" and s.tenant == tenant]
+
+    def cached_of(self, tenant: str, session_id: str | None) -> Sequence[int]:
+        """The whole prompt cache of the tenant's session (empty when it has no slot)."""
+        own = self.slot_of(tenant, session_id)
+        return self.slots[own].cached if own is not None else ()
+
+    def plan_prefix(
+        self, slot: Slot, task: GenerateTask, pool: AttachedPool | None, share: bool
+    ) -> PrefixPlan:
+        """What ``slot`` reuses of the task's prompt (``core.prefix.plan`` on this table's
+        cells); ``share``: automatic sharing may take other sequences' cells."""
+        prompt = task.prompt
+        residents = self.residents(task.tenant, slot, pool) if share else []
+        n_swa = self.kv.rt.info.n_swa
+        return plan(
+            prompt,
+            slot.cache_tokens,
+            reuse_cache=task.cache_prompt,
+            pool=pool,
+            residents=residents,
+            n_swa=n_swa,
+            window_start=self.kv.pos_min(slot.slot_id) if n_swa > 0 else 0,
+        )
+
+    def apply_prefix(self, slot: Slot, plan: PrefixPlan, prompt: Sequence[int]) -> None:
+        """Make the slot's cells and tokens what ``plan`` says: the pool's cells first, then
+        its own cache cut, then cells shared from another sequence."""
+        if plan.pool_fresh:
+            self.forget_kv(slot)
+            self.kv.share(plan.pool_seq, slot.slot_id, 0, plan.pool_p)
+            slot.cache_tokens.extend(prompt[: plan.pool_p])
+        elif plan.pool_seq >= 0:
+            # The slot's cache already holds the pool's tokens, in cells it computed itself
+            # (it ran before the pool existed): swap them for the pool's, so the session is
+            # linked to its pool (admission counts it) and its private copy is freed.
+            linked = self.kv.model.common_cells(slot.slot_id, plan.pool_seq)
+            self.kv.rebase(plan.pool_seq, slot.slot_id, linked, plan.pool_p)
+        if plan.recycled_at:
+            log.info(
+                "slot %d: the sliding window before position %d was recycled; "
+                "reprocessing the prompt",
+                slot.slot_id,
+                plan.recycled_at,
+            )
+            self.forget_kv(slot)
+        self.truncate(slot, plan.keep)
+        if plan.share_seq >= 0:
+            self.kv.share(plan.share_seq, slot.slot_id, plan.keep, plan.reuse)
+            slot.cache_tokens.extend(prompt[plan.keep : plan.reuse])
+
+    def link_pool(self, slot: Slot, pool: Pool | None) -> int:
+        """Keep ``slot.pool_id`` true (set while the slot's first cells are still ``pool``'s);
+        returns how many leading cells the slot shares with ``pool``."""
+        if pool is None or pool.seq_id is None:
+            slot.pool_id = None
+            return 0
+        shared = self.kv.model.common_cells(slot.slot_id, pool.seq_id)
+        slot.pool_id = pool.pool_id if shared > 0 else None
+        return shared
+
+    # -- what gives cells back
+
+    def droppable_caches(self) -> list[int]:
+        """Idle slots whose prompt caches free cells when dropped, in the order they should
+        go: ones nobody shares first (a shared one keeps helping another sequence), then
+        the least recently used."""
+        model = self.kv.model
+        idle = [
+            (model.sharers(s.slot_id) > 0, s.last_used, s.slot_id)
+            for s in self.slots
+            if s.state == "idle" and s.cache_tokens and model.freed_by_clearing([s.slot_id])
+        ]
+        return [slot_id for _, _, slot_id in sorted(idle)]
+
+    def reclaimable_cells(self) -> int:
+        """Cells only idle prompt caches hold: a new session gets them by dropping caches,
+        so they count as headroom. Recomputed only when cell ownership or the idle set
+        changed (not on every decoded token)."""
+        idle = tuple(s.slot_id for s in self.slots if s.state == "idle" and s.cache_tokens)
+        key = (self.kv.version, idle)
+        if key != self._reclaim_key:
+            self._reclaim_key = key
+            self._reclaim_cells = self.kv.model.freed_by_clearing(idle)
+        return self._reclaim_cells
 
     def erase(self, slot_id: int) -> int:
         """llama-server's slot erase: an idle slot's cache and session go; returns tokens."""

@@ -21,6 +21,11 @@ class KVCache:
     def length(self, seq: int) -> int:
         return self.model.length(seq)
 
+    def pos_min(self, seq: int) -> int:
+        """The lowest position of ``seq`` llama.cpp still holds (a sliding-window model
+        recycles cells that left the window)."""
+        return self.rt.seq_pos_min(seq)
+
     def decoded(self, seq: int, n: int) -> None:
         """``n`` tokens were just decoded at the end of ``seq``."""
         self.model.append(seq, n)

@@ -1,0 +1,183 @@
+"""Prefix reuse: which of a prompt's tokens a slot takes from cells already in the cache,
+and from which sequence (vLLM's ``get_computed_blocks``, SGLang's ``match_prefix``).
+
+Pure: the engine describes the slot's cache, the pool the request attached and the other
+resident sequences as plain views; ``plan`` answers with a ``PrefixPlan`` that
+``SlotTable.apply_prefix`` carries out on llama.cpp's cells and the slot's tokens together.
+Every rule of reuse is stated once, here:
+
+- the last prompt token is always computed again: its logits sample the first new token
+  (``reusable``);
+- an attach shares the pool's first P tokens: P as the request declared it (checked against
+  the pool), else the longest common prefix of prompt and pool (auto-P);
+- the slot keeps its own cache up to its common prefix with the prompt; a request that asks
+  for no cache reuse keeps only the pool's part;
+- on a sliding-window model, cached tokens count only while the window before them is still
+  in the cache (llama.cpp recycles cells that left it);
+- automatic sharing then takes the longest prefix another resident sequence holds: a slot of
+  the same tenant, or the attached pool (never a pool the request did not name);
+- a prompt waits for a prefix another slot is prefilling when that would save at least
+  ``SHARE_WAIT_MIN_TOKENS`` tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from polykv_engine.pools.tree import PoolError
+from polykv_engine.tokens import common_prefix_len
+
+# A prompt waits for another slot's prefill only when it would then share at least this
+# many more tokens: below it, computing them in parallel costs less than waiting.
+SHARE_WAIT_MIN_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Resident:
+    """A sequence whose cells hold ``tokens`` from position 0."""
+
+    seq_id: int
+    tokens: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class AttachedPool:
+    """The resident pool a request attaches to."""
+
+    seq_id: int
+    tokens: Sequence[int]
+    label: str
+    declared_p: int | None = None  # the request's shared_prefix_n_tokens; None: auto-P
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixPlan:
+    """What a slot reuses of a prompt, in the order ``SlotTable.apply_prefix`` applies it:
+    first the pool's cells ``[0, pool_p)``, then the slot's cache cut to ``[0, keep)``, then
+    ``[keep, reuse)`` shared from ``share_seq``'s cells. The prompt is computed from
+    ``reuse`` on."""
+
+    pool_seq: int = -1  # the attached pool's sequence (-1: none)
+    pool_p: int = 0  # P: the slot's sequence starts with the pool's cells [0, P)
+    pool_fresh: bool = False  # the slot's cache goes and the pool's cells are shared in;
+    # else the slot's own cells for those tokens are swapped for the pool's (same tokens)
+    recycled_at: int = 0  # > 0: the sliding window before this position was recycled, so
+    # the whole cache goes before the cut
+    keep: int = 0  # tokens of the slot's cache kept
+    share_seq: int = -1  # the sequence [keep, reuse) is shared from (-1: none)
+    reuse: int = 0  # prompt tokens not computed again
+
+    @property
+    def auto_shared(self) -> int:
+        """Tokens taken from another sequence by automatic sharing."""
+        return self.reuse - self.keep
+
+
+def reusable(prompt: Sequence[int], n: int) -> int:
+    """At most ``n`` tokens of ``prompt`` are reused: the last one is computed again, for the
+    logits that sample the first new token."""
+    return min(n, len(prompt) - 1)
+
+
+def pool_prefix(prompt: Sequence[int], pool: AttachedPool) -> int:
+    """P, the pool tokens an attach shares: as declared, else the common prefix (auto-P).
+    A declared P beyond the pool or over tokens the prompt does not match is refused."""
+    p = pool.declared_p
+    if p is None:
+        return reusable(prompt, common_prefix_len(prompt, pool.tokens))
+    if p > len(pool.tokens):
+        raise PoolError(
+            409,
+            "prefix_mismatch",
+            f"shared_prefix_n_tokens {p} exceeds pool {pool.label!r}'s prefix_len "
+            f"{len(pool.tokens)}",
+        )
+    d = common_prefix_len(prompt[:p], pool.tokens[:p])
+    if d < p:
+        raise PoolError(
+            409,
+            "prefix_mismatch",
+            f"the prompt differs from pool {pool.label!r} at token {d}, inside the declared "
+            f"shared prefix of {p} tokens",
+        )
+    return reusable(prompt, p)
+
+
+def resident_prefix(prompt: Sequence[int], residents: Sequence[Resident]) -> tuple[int, int]:
+    """(sequence id, length) of the resident holding the longest prefix of ``prompt``;
+    (-1, 0) when none holds any. The first of equals wins."""
+    best_seq, best = -1, 0
+    for r in residents:
+        if len(r.tokens) > best:
+            p = common_prefix_len(r.tokens, prompt)
+            if p > best:
+                best_seq, best = r.seq_id, p
+    return best_seq, best
+
+
+def window_intact(n_swa: int, window_start: int, keep: int) -> bool:
+    """On a sliding-window model (``n_swa`` > 0), whether the ``n_swa`` positions before
+    ``keep`` are still in the cache, whose lowest position is ``window_start``."""
+    return n_swa <= 0 or window_start <= max(0, keep - n_swa)
+
+
+def plan(
+    prompt: Sequence[int],
+    cache: Sequence[int],
+    *,
+    reuse_cache: bool,
+    pool: AttachedPool | None = None,
+    residents: Sequence[Resident] = (),
+    n_swa: int = 0,
+    window_start: int = 0,
+) -> PrefixPlan:
+    """How a slot whose cells hold ``cache`` serves ``prompt``. ``reuse_cache``: the request
+    allows reuse of cached tokens (``cache_prompt``); ``residents``: the other sequences
+    automatic sharing may take from (empty: no automatic sharing); ``window_start``: the
+    slot sequence's lowest position in the cache (sliding-window models, where nothing is
+    attached or shared). Raises ``PoolError`` for a declared P the pool does not match."""
+    pool_seq, pool_p, fresh = -1, 0, False
+    if pool is not None:
+        pool_seq, pool_p = pool.seq_id, pool_prefix(prompt, pool)
+        own = common_prefix_len(cache, prompt) if reuse_cache else 0
+        fresh = pool_p > own
+        if fresh:
+            cache = prompt[:pool_p]
+    keep = common_prefix_len(cache, prompt)
+    if not reuse_cache:
+        keep = min(keep, pool_p)
+    keep = reusable(prompt, keep)
+    recycled_at = 0
+    if 0 < keep < len(cache) and not window_intact(n_swa, window_start, keep):
+        recycled_at, keep = keep, 0
+    share_seq, reuse = -1, keep
+    if reuse_cache and residents:
+        src, p = resident_prefix(prompt, residents)
+        p = reusable(prompt, p)
+        if p > keep:
+            share_seq, reuse = src, p
+    return PrefixPlan(pool_seq, pool_p, fresh, recycled_at, keep, share_seq, reuse)
+
+
+def waits_for_shared_prefix(
+    prompt: Sequence[int],
+    prefilling: Sequence[Sequence[int]],
+    residents: Sequence[Resident],
+    own: Sequence[int] = (),
+    pool: Sequence[int] | None = None,
+) -> bool:
+    """Whether a prompt should wait for a prefix another slot is prefilling now (the
+    agents released together on one system prompt), then share those cells instead of
+    computing them a second time in parallel. ``prefilling``: the prompts being prefilled;
+    ``own``: the session's cached tokens; ``pool``: the attached pool's tokens."""
+    if not prefilling:
+        return False
+    coming = max(common_prefix_len(p, prompt) for p in prefilling)
+    if coming < SHARE_WAIT_MIN_TOKENS:
+        return False
+    have = common_prefix_len(own, prompt)
+    if pool is not None:
+        have = max(have, common_prefix_len(pool, prompt))
+    _, resident = resident_prefix(prompt, residents)
+    return coming - max(have, resident) >= SHARE_WAIT_MIN_TOKENS

@@ -1,0 +1,137 @@
+"""Prefix reuse decided without a model: what a slot keeps, attaches and shares."""
+
+from __future__ import annotations
+
+import pytest
+
+from polykv_engine.core.prefix import (
+    SHARE_WAIT_MIN_TOKENS,
+    AttachedPool,
+    PrefixPlan,
+    Resident,
+    plan,
+    resident_prefix,
+    reusable,
+    waits_for_shared_prefix,
+    window_intact,
+)
+from polykv_engine.pools.tree import PoolError
+
+PROMPT = list(range(100, 110))  # ten tokens
+
+
+def pool(tokens: list[int], declared: int | None = None, seq: int = 9) -> AttachedPool:
+    return AttachedPool(seq, tokens, "p", declared)
+
+
+def test_the_last_prompt_token_is_always_computed_again() -> None:
+    assert reusable(PROMPT, 10) == 9
+    assert reusable(PROMPT, 4) == 4
+    assert plan(PROMPT, PROMPT, reuse_cache=True) == PrefixPlan(keep=9, reuse=9)
+    whole = pool(PROMPT)
+    assert plan(PROMPT, [], reuse_cache=True, pool=whole).pool_p == 9
+    shared = plan(PROMPT, [], reuse_cache=True, residents=[Resident(3, PROMPT)])
+    assert (shared.share_seq, shared.keep, shared.reuse) == (3, 0, 9)
+
+
+def test_the_slot_keeps_its_common_prefix_and_cuts_the_rest() -> None:
+    cache = [*PROMPT[:4], 1, 2, 3]
+    assert plan(PROMPT, cache, reuse_cache=True) == PrefixPlan(keep=4, reuse=4)
+    assert plan(PROMPT, cache, reuse_cache=False) == PrefixPlan(keep=0, reuse=0)
+
+
+def test_attach_shares_the_common_prefix_with_the_pool_auto_p() -> None:
+    got = plan(PROMPT, [7, 7], reuse_cache=True, pool=pool([*PROMPT[:6], 55, 56]))
+    assert got == PrefixPlan(pool_seq=9, pool_p=6, pool_fresh=True, keep=6, reuse=6)
+
+
+def test_attach_swaps_a_cache_that_already_holds_the_pool_tokens() -> None:
+    # The session ran before the pool existed: its own cells hold the pool's tokens and
+    # more, so nothing is dropped; those cells are exchanged for the pool's.
+    got = plan(PROMPT, PROMPT[:8], reuse_cache=True, pool=pool(PROMPT[:5]))
+    assert got == PrefixPlan(pool_seq=9, pool_p=5, pool_fresh=False, keep=8, reuse=8)
+
+
+def test_without_cache_reuse_only_the_pool_part_is_reused() -> None:
+    got = plan(PROMPT, PROMPT[:8], reuse_cache=False, pool=pool(PROMPT[:5]))
+    assert (got.pool_fresh, got.pool_p, got.keep, got.reuse) == (True, 5, 5, 5)
+    residents = [Resident(3, PROMPT)]
+    assert plan(PROMPT, [], reuse_cache=False, residents=residents).share_seq == -1
+
+
+def test_a_declared_prefix_is_checked_against_the_pool() -> None:
+    got = plan(PROMPT, [], reuse_cache=True, pool=pool(PROMPT[:6], declared=4))
+    assert got.pool_p == 4
+    with pytest.raises(PoolError) as beyond:
+        plan(PROMPT, [], reuse_cache=True, pool=pool(PROMPT[:6], declared=7))
+    assert beyond.value.reason == "prefix_mismatch"
+    assert "exceeds" in beyond.value.message
+    other = [*PROMPT[:2], 0, *PROMPT[3:6]]
+    with pytest.raises(PoolError) as differs:
+        plan(PROMPT, [], reuse_cache=True, pool=pool(other, declared=5))
+    assert differs.value.reason == "prefix_mismatch"
+    assert "at token 2" in differs.value.message
+
+
+def test_a_declared_prefix_still_leaves_the_last_token_to_compute() -> None:
+    short = PROMPT[:4]
+    assert plan(short, [], reuse_cache=True, pool=pool(PROMPT, declared=4)).pool_p == 3
+
+
+def test_a_recycled_sliding_window_drops_the_cache() -> None:
+    cache = [*PROMPT[:8], 0, 0]
+    # 8 tokens kept, a window of 4: positions 4..7 must still be there.
+    assert window_intact(4, window_start=4, keep=8)
+    assert not window_intact(4, window_start=5, keep=8)
+    assert window_intact(0, window_start=100, keep=8)  # no sliding window
+    intact = plan(PROMPT, cache, reuse_cache=True, n_swa=4, window_start=4)
+    assert intact == PrefixPlan(keep=8, reuse=8)
+    recycled = plan(PROMPT, cache, reuse_cache=True, n_swa=4, window_start=5)
+    assert recycled == PrefixPlan(recycled_at=8, keep=0, reuse=0)
+    # A cache that the prompt reuses whole is not cut, so its window is not in question.
+    assert not plan(PROMPT, PROMPT[:8], reuse_cache=True, n_swa=4, window_start=7).recycled_at
+
+
+def test_automatic_sharing_takes_the_longest_resident_prefix_beyond_the_cache() -> None:
+    residents = [Resident(1, PROMPT[:3]), Resident(2, PROMPT[:7]), Resident(3, PROMPT[:7])]
+    assert resident_prefix(PROMPT, residents) == (2, 7)  # the first of equals
+    assert resident_prefix(PROMPT, [Resident(1, [5, 5])]) == (-1, 0)
+    got = plan(PROMPT, PROMPT[:2], reuse_cache=True, residents=residents)
+    assert got == PrefixPlan(keep=2, share_seq=2, reuse=7)
+    assert got.auto_shared == 5
+    # Nothing to gain: the slot's own cache is as long.
+    assert plan(PROMPT, PROMPT[:7], reuse_cache=True, residents=residents).share_seq == -1
+
+
+def test_sharing_extends_an_attached_pool() -> None:
+    residents = [Resident(1, PROMPT[:8]), Resident(9, PROMPT[:4])]
+    got = plan(PROMPT, [], reuse_cache=True, pool=pool(PROMPT[:4]), residents=residents)
+    assert (got.pool_p, got.keep, got.share_seq, got.reuse) == (4, 4, 1, 8)
+
+
+def long_prompt(n: int, tail: int = 0, base: int = 10_000) -> list[int]:
+    """``n`` tokens every such prompt has, then ``tail`` of its own (from ``base``)."""
+    return [*range(n), *range(base, base + tail)]
+
+
+def test_a_prompt_waits_for_a_long_prefix_being_prefilled() -> None:
+    n = SHARE_WAIT_MIN_TOKENS
+    prompt = long_prompt(2 * n, 5)
+    coming = [long_prompt(2 * n, 9, base=20_000)]
+    assert waits_for_shared_prefix(prompt, coming, [])
+    assert not waits_for_shared_prefix(prompt, [], [])
+    # Too short to be worth the wait.
+    assert not waits_for_shared_prefix(
+        long_prompt(n - 1, 5), [long_prompt(n - 1, 9, base=20_000)], []
+    )
+
+
+def test_no_wait_for_what_the_request_already_reuses() -> None:
+    n = SHARE_WAIT_MIN_TOKENS
+    prompt = long_prompt(2 * n, 5)
+    coming = [long_prompt(2 * n, 9, base=20_000)]
+    almost = long_prompt(2 * n - n // 2)  # saves fewer than n more tokens than this
+    assert not waits_for_shared_prefix(prompt, coming, [], own=almost)
+    assert not waits_for_shared_prefix(prompt, coming, [], pool=almost)
+    assert not waits_for_shared_prefix(prompt, coming, [Resident(4, almost)])
+    assert waits_for_shared_prefix(prompt, coming, [], own=long_prompt(n - 1))
