@@ -1,8 +1,9 @@
 """What the operator knows about each engine fleet between rounds (in memory only).
 
-Written by the engine round (engine_round.py) and read by the status computations. Everything
-here can be rebuilt from the cluster and the engines: after an operator restart the first
-round polls every replica again and re-validates every pool (dry runs create nothing).
+Written by the engine's rounds and loop (engine_round.py, engine_loop.py) and read by the
+status computations. Everything here can be rebuilt from the cluster and the engines: after
+an operator restart the first round polls every replica again and re-validates every pool
+(dry runs create nothing).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ that owns the use case, and writes the result back through kopf.
 Run it with `kopf run -m polykv_operator.main` (or `polykv-operator`). Who writes what:
 
 - PolyKVEngine: create/update/resume apply its Secret, Deployment and Service; its daemon
-  (engine_round.serve) runs the engine's rounds: poll each replica once, materialize, push
+  (engine_loop.serve) runs the engine's rounds: poll each replica once, materialize, push
   policies, gates, then write the engine's status and its live pools' statuses (their only
   writer while they live). A round runs at once when poked, else every poll interval.
 - PolyKVPool: create/resume link it to its parent (tree.parent_owner_reference) and poke
@@ -47,17 +47,9 @@ from .api import (
 from .autoscale.aggregate import Signal, engine_signal
 from .autoscale.metrics_api import ExternalSettings, Servers
 from .config import Config
+from .engine_loop import Snapshot, StatusWriter, serve, write_pool_statuses
 from .engine_objects import apply_objects
-from .engine_round import (
-    ClusterView,
-    CostWriter,
-    GateWriter,
-    Snapshot,
-    StatusWriter,
-    drop_stale_gate,
-    serve,
-    write_pool_statuses,
-)
+from .engine_round import ClusterView, CostWriter, GateWriter, drop_stale_gate
 from .faults import crash_point
 from .fleet import EngineState, Fleet, ReplicaRef, controller_uid, replica_changed
 from .kube import Kube
@@ -460,7 +452,7 @@ def _view(
 
 
 @kopf.daemon(GROUP, VERSION, ENGINE.plural, cancellation_timeout=1.0)
-@_counted("engine", "loop")  # its rounds are counted as handler="round" (engine_round.serve)
+@_counted("engine", "loop")  # its rounds are counted as handler="round" (engine_loop.serve)
 async def engine_loop(
     name: str,
     namespace: str | None,
@@ -475,7 +467,7 @@ async def engine_loop(
     deployments_idx: kopf.Index[tuple[str, str], str],
     **_: Any,
 ) -> None:
-    """The engine's rounds (engine_round.serve) for as long as the engine exists: `body` and
+    """The engine's rounds (engine_loop.serve) for as long as the engine exists: `body` and
     the indexes are live views, read afresh for each round."""
     ns = str(namespace)
 

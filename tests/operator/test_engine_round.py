@@ -3,24 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import httpx
 import pytest
 
-from polykv_operator.engine_round import (
-    ClusterView,
-    Round,
-    Snapshot,
-    drop_stale_gate,
-    run_round,
-    serve,
-)
+from polykv_operator.engine_round import ClusterView, Round, drop_stale_gate
 from polykv_operator.fleet import (
     EngineState,
-    Fleet,
     Render,
     RenderFailure,
     ReplicaRef,
@@ -281,19 +272,6 @@ def test_a_steady_round_is_one_listing_per_replica_and_it_carries_capacity() -> 
             assert p.capacity.compaction_pressure == pytest.approx(0.25)
 
 
-def test_run_round_returns_the_status_patch_and_then_nothing() -> None:
-    h = Harness(1)
-    view = ClusterView(NS, "eng", engine_spec(), list(h.pods.values()), tree(), [], ["eng"])
-
-    def once(status: dict[str, Any] | None) -> dict[str, Any]:
-        return asyncio.run(run_round(view, h.state, h.http, h.write_gate, 3, status))
-
-    first = once(None)
-    assert first["observedGeneration"] == 3 and first["pools"] == 3
-    assert first["selector"] == "polykv.io/engine=eng"
-    assert once(first) == {}  # the status as written, nothing new: no write
-
-
 def test_a_pod_event_drops_a_stale_gate_at_once() -> None:
     h = Harness(1)
     h.run(tree())
@@ -320,51 +298,6 @@ def test_the_round_keeps_the_fleets_mean_active_tps() -> None:
     assert h.state.mean_active_tps == 10.0
 
 
-def test_the_loop_runs_a_round_when_poked_and_writes_only_what_changed() -> None:
-    h = Harness(1)
-    writes: list[tuple[str, str, dict[str, Any]]] = []
-
-    async def write_status(plural: str, name: str, patch: dict[str, Any]) -> None:
-        writes.append((plural, name, patch))
-
-    pools = [pool("root", text=ROOT)]
-    fleet = Fleet()
-    fleet.engines[(NS, "eng")] = h.state
-
-    def snapshot() -> Snapshot:
-        view = ClusterView(
-            NS, "eng", engine_spec(), list(h.pods.values()), list(pools), [], ["eng"]
-        )
-        return Snapshot(view, "uid-eng", 1, {}, "1")
-
-    async def finished(n: int) -> int:
-        # A round at once (first start, then the poke), not at the 30 s interval; waited for
-        # to its end (statuses written), not its start.
-        for _ in range(3000):
-            if h.state.rounds_done >= n:
-                return h.state.rounds
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"round {n} did not finish; {h.state.rounds} begun")
-
-    async def scenario() -> list[int]:
-        task = asyncio.create_task(
-            serve(h.state, snapshot, fleet, h.http, h.write_gate, write_status, 30.0, lambda: False)
-        )
-        seen = [await finished(1)]
-        pools.append(pool("extra", text="Another root."))
-        h.state.poke()
-        seen.append(await finished(2))
-        task.cancel()
-        return seen
-
-    assert asyncio.run(scenario()) == [1, 2]
-    assert set(h.engine().pools) == {"root", "extra"}
-    kinds = [(plural, name) for plural, name, _ in writes]
-    assert kinds.count(("polykvpools", "root")) == 1  # written once; the memo held it since
-    ready = {c["type"]: c["status"] for c in writes[1][2]["conditions"]}
-    assert writes[1][1] == "root" and ready["Ready"] == "True"
-
-
 def test_a_round_that_read_the_cluster_before_a_release_does_not_create_the_pool_again() -> None:
     h = Harness(1)
     pools = tree()
@@ -380,34 +313,6 @@ def test_a_round_that_read_the_cluster_before_a_release_does_not_create_the_pool
     assert leaf.uid not in h.state.deleting
 
 
-def test_a_lagging_watch_gets_no_status_written_twice(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The index still shows the status from before our write (a thousand pools changed at
-    once): later rounds, seconds apart, write nothing for a pool whose verdict holds."""
-    from polykv_operator import conditions
-    from polykv_operator.engine_round import write_pool_statuses
-
-    h = Harness(1)
-    pools = [pool("root", text=ROOT), pool("other", text="Another root.")]
-    h.run(pools)
-    fleet = Fleet()
-    fleet.engines[(NS, "eng")] = h.state
-    writes: list[str] = []
-
-    async def write_status(plural: str, name: str, patch: dict[str, Any]) -> None:
-        writes.append(name)
-
-    view = ClusterView(NS, "eng", engine_spec(), list(h.pods.values()), pools, [], ["eng"])
-    for second in range(3):  # stale index: status {} and the same resourceVersion each time
-        monkeypatch.setattr(conditions, "now_rfc3339", lambda s=second: f"2026-01-01T00:00:0{s}Z")
-        asyncio.run(write_pool_statuses(view, h.state, fleet, write_status))
-    assert sorted(writes) == ["other", "root"]
-    # Someone else's write (a newer version, another status): corrected once.
-    pools[0] = replace(pools[0], status={"path": "elsewhere"}, resource_version="9")
-    view = replace(view, pools=pools)
-    asyncio.run(write_pool_statuses(view, h.state, fleet, write_status))
-    assert sorted(writes) == ["other", "root", "root"]
-
-
 def test_an_unchanged_listing_is_revalidated_not_parsed_again() -> None:
     h = Harness(1)
     h.run(tree())  # creates: the listing was changed in place, so it has no ETag
@@ -418,90 +323,3 @@ def test_an_unchanged_listing_is_revalidated_not_parsed_again() -> None:
     h.run(tree())
     assert h.engine().not_modified == 1
     assert h.state.replicas["eng-1"].listing is held  # the same object: nothing parsed
-
-
-class Loop:
-    """`serve` for one engine at a short interval, with the cluster as `pools` (use inside
-    one event loop: the engine state's wake event binds to it)."""
-
-    def __init__(self, h: Harness, pools: list[PoolNode]) -> None:
-        self.h, self.pools, self.fleet = h, pools, Fleet()
-        self.fleet.engines[(NS, "eng")] = h.state
-        self.task: asyncio.Task[None] | None = None
-
-    def snapshot(self) -> Snapshot:
-        h = self.h
-        view = ClusterView(
-            NS, "eng", engine_spec(), list(h.pods.values()), list(self.pools), [], ["eng"]
-        )
-        return Snapshot(view, "uid-eng", 1, {}, "1", changes=self.fleet.changes(NS))
-
-    async def until(self, what: Callable[[], bool]) -> None:
-        if self.task is None:
-            h = self.h
-            args = (h.state, self.snapshot, self.fleet, h.http, h.write_gate, self.write_status)
-            self.task = asyncio.create_task(serve(*args, 0.01, lambda: False))
-        for _ in range(3000):  # state, not time: a loaded machine may take a while
-            await asyncio.sleep(0.01)
-            if what():
-                return
-        raise AssertionError("condition not reached")
-
-    def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-
-    async def write_status(self, plural: str, name: str, patch: dict[str, Any]) -> None:
-        pass
-
-
-def test_an_idle_engine_gets_quiet_checks_not_rounds_until_something_changes() -> None:
-    h = Harness(2)
-    loop = Loop(h, tree())
-    st = h.state
-
-    def posts() -> int:
-        return sum(c.startswith("POST") for e in h.engines.values() for c in e.calls)
-
-    async def scenario() -> None:
-        await loop.until(lambda: st.quiet_rounds >= 3)
-        rounds = st.rounds  # the creates, one round to see them settled, then only checks
-        assert st.settled is not None and rounds <= 3
-        made = posts()
-        await loop.until(lambda: st.quiet_rounds >= 10)
-        assert st.rounds == rounds and posts() == made  # idle: no round, however many pools
-
-        # A replica that lost its KV changes its listing: the next check runs a round.
-        h.engine(2).restart("boot-2b")
-        await loop.until(lambda: set(h.engine(2).pools) == {"root", "extend", "branch"})
-        assert st.rounds > rounds
-
-        # A cluster change (any event of the namespace) runs a round, without a poke.
-        await loop.until(lambda: st.settled is not None)
-        rounds = st.rounds
-        loop.pools.append(pool("late", text="A late root."))
-        loop.fleet.touch(NS)
-        await loop.until(lambda: "late" in h.engine(1).pools)
-        assert st.rounds > rounds
-        loop.stop()
-
-    asyncio.run(scenario())
-
-
-def test_no_quiet_check_while_something_waits_for_a_retry() -> None:
-    h = Harness(1)
-    h.engine().busy = "kv_full"  # every create refused for room: retried later, not now
-    loop = Loop(h, [pool("root", text=ROOT)])
-    st = h.state
-
-    async def scenario() -> None:
-        await loop.until(lambda: st.rounds >= 5)
-        assert st.create_errors["uid-root"] and st.settled is None and st.quiet_rounds == 0
-        h.engine().busy = None
-        h.engine().etags = False  # an engine without ETags: every round is a full one
-        st.create_errors.clear()
-        await loop.until(lambda: "root" in h.engine().pools and st.rounds >= 10)
-        assert st.settled is None and st.quiet_rounds == 0
-        loop.stop()
-
-    asyncio.run(scenario())

@@ -54,6 +54,7 @@ LAYERS: dict[str, int] = {
             "kube",
             "engine_objects",
             "engine_round",
+            "engine_loop",
             "pool_release",
         ),
         2,
