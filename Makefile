@@ -48,7 +48,7 @@ test: lint typecheck pytest
 
 # The tests that need no model process, no cluster and no network (CONTRIBUTING.md).
 UNIT_DIRS := tests/engine/unit tests/operator tests/router tests/client \
-	tests/helm/test_argocd_health.py tests/docs
+	tests/helm/test_argocd_health.py tests/docs tests/test_import_contracts.py
 UNIT_SKIP := tests/engine/unit/test_fetch_model.py tests/operator/test_fake_engine_contract.py \
 	tests/router/test_auth.py tests/router/test_engines.py tests/router/test_proxy.py \
 	tests/client/test_client_live.py
