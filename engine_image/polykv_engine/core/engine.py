@@ -43,11 +43,9 @@ from polykv_engine.core.tasks import (
     DoneEvent,
     ErrorEvent,
     GenerateTask,
-    GenerationResult,
     StopType,
     TokenEvent,
 )
-from polykv_engine.core.textstream import TextAssembler
 from polykv_engine.kv.cache import KVCache
 from polykv_engine.llama.runtime import Batch, LlamaError, LlamaRuntime, RuntimeConfig
 from polykv_engine.policy.step_time import (
@@ -501,36 +499,7 @@ class Engine:
             n = sampling.repeat_last_n
             for tok in task.prompt[-n:] if n > 0 else task.prompt:
                 slot.sampler.accept_prompt(tok)
-        slot.seed = sampling.seed
-        slot.task = task
-        slot.last_task_id = task.task_id
-        slot.params = {
-            "n_predict": task.stop.n_predict,
-            "seed": sampling.seed,
-            "temperature": sampling.temperature,
-            "top_k": sampling.top_k,
-            "top_p": sampling.top_p,
-            "min_p": sampling.min_p,
-            "repeat_last_n": sampling.repeat_last_n,
-            "repeat_penalty": sampling.repeat_penalty,
-            "presence_penalty": sampling.presence_penalty,
-            "frequency_penalty": sampling.frequency_penalty,
-            "stop": list(task.stop.stops),
-            "ignore_eos": task.stop.ignore_eos,
-            "n_probs": task.logprobs or 0,
-            "grammar": sampling.grammar.gbnf if sampling.grammar else "",
-        }
-        slot.state = "prefill"
-        slot.prompt = task.prompt
-        slot.n_prompt_done = keep
-        slot.n_cached = task.n_cached = keep
-        slot.generated = []
-        slot.pending = None
-        slot.assembler = TextAssembler(list(task.stop.stops))
-        slot.rate.reset()
-        slot.t_start = now
-        slot.t_first = 0.0
-        slot.last_used = time.time()
+        slot.start(task, sampling, keep, now)
         log.debug(
             "slot %d: request %d (session %s) prompt=%d cached=%d pool=%s",
             slot.slot_id,
@@ -785,33 +754,14 @@ class Engine:
     def _finish(self, slot: Slot, stop_type: StopType, truncated: bool = False) -> None:
         task = slot.task
         assert task is not None
-        now = time.perf_counter()
         tail = slot.assembler.flush()
         if tail:
             task.sink.emit(TokenEvent(tail, -1))
-        t_first = slot.t_first or now
-        result = GenerationResult(
-            content=slot.assembler.text,
-            tokens=list(slot.generated),
-            stop_type=stop_type,
-            stopping_word=slot.assembler.stopping_word or "",
-            truncated=truncated,
-            slot=slot.slot_id,
-            session_id=slot.session_id,
-            seed=slot.seed,
-            prompt_n=len(slot.prompt) - slot.n_cached,
-            cache_n=slot.n_cached,
-            predicted_n=len(slot.generated),
-            prompt_ms=(t_first - slot.t_start) * 1e3,
-            predicted_ms=(now - t_first) * 1e3,
-            tps_ewma=slot.rate.tps,
-            pool_id=task.pool.pool_id if task.pool is not None else None,
-            shared_prefix=task.shared_prefix,
-        )
+        result = slot.result(stop_type, truncated, time.perf_counter())
         self._bump(
             requests_done=1,
-            predicted_tokens=len(slot.generated),
-            predicted_seconds=now - t_first,
+            predicted_tokens=result.predicted_n,
+            predicted_seconds=result.predicted_ms / 1e3,
         )
         longest = len(slot.prompt) + len(slot.generated)
         if longest > self._counters.tokens_max:  # applied before pending bumps: never lost

@@ -20,10 +20,11 @@ from typing import Any
 
 from polykv_engine.core.prefix import AttachedPool, PrefixPlan, Resident, plan
 from polykv_engine.core.snapshot import SlotSnapshot, SlotState
-from polykv_engine.core.tasks import GenerateTask
+from polykv_engine.core.tasks import GenerateTask, GenerationResult, StopType
 from polykv_engine.core.textstream import TextAssembler
 from polykv_engine.kv.cache import KVCache
 from polykv_engine.llama.runtime import Sampler
+from polykv_engine.llama.sampling import SamplingParams
 from polykv_engine.policy.tps import SessionRate
 from polykv_engine.pools.tree import Pool, PoolError
 from polykv_engine.tokens import common_prefix_len
@@ -107,6 +108,64 @@ class Slot:
         if self.parked is None:
             return self.cache_tokens
         return [*self.cache_tokens, *self.parked.tokens]
+
+    def start(self, task: GenerateTask, sampling: SamplingParams, reused: int, now: float) -> None:
+        """Take ``task``'s turn (its sampler is the engine's to set): the first ``reused``
+        prompt tokens are in KV already; ``now`` is the perf-counter start of the turn."""
+        self.seed = sampling.seed
+        self.task = task
+        self.last_task_id = task.task_id
+        self.params = {  # the turn's settings as /slots shows them (llama-server's names)
+            "n_predict": task.stop.n_predict,
+            "seed": sampling.seed,
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k,
+            "top_p": sampling.top_p,
+            "min_p": sampling.min_p,
+            "repeat_last_n": sampling.repeat_last_n,
+            "repeat_penalty": sampling.repeat_penalty,
+            "presence_penalty": sampling.presence_penalty,
+            "frequency_penalty": sampling.frequency_penalty,
+            "stop": list(task.stop.stops),
+            "ignore_eos": task.stop.ignore_eos,
+            "n_probs": task.logprobs or 0,
+            "grammar": sampling.grammar.gbnf if sampling.grammar else "",
+        }
+        self.state = "prefill"
+        self.prompt = task.prompt
+        self.n_prompt_done = reused
+        self.n_cached = task.n_cached = reused
+        self.generated = []
+        self.pending = None
+        self.assembler = TextAssembler(list(task.stop.stops))
+        self.rate.reset()
+        self.t_start = now
+        self.t_first = 0.0
+        self.last_used = time.time()
+
+    def result(self, stop_type: StopType, truncated: bool, now: float) -> GenerationResult:
+        """The running turn's answer, its timings up to ``now`` (perf counter)."""
+        task = self.task
+        assert task is not None
+        t_first = self.t_first or now
+        return GenerationResult(
+            content=self.assembler.text,
+            tokens=list(self.generated),
+            stop_type=stop_type,
+            stopping_word=self.assembler.stopping_word or "",
+            truncated=truncated,
+            slot=self.slot_id,
+            session_id=self.session_id,
+            seed=self.seed,
+            prompt_n=len(self.prompt) - self.n_cached,
+            cache_n=self.n_cached,
+            predicted_n=len(self.generated),
+            prompt_ms=(t_first - self.t_start) * 1e3,
+            predicted_ms=(now - t_first) * 1e3,
+            tps_ewma=self.rate.tps,
+            pool_id=task.pool.pool_id if task.pool is not None else None,
+            shared_prefix=task.shared_prefix,
+        )
 
     def view(self) -> SlotView:
         return SlotView(
