@@ -371,9 +371,9 @@ async def apply_engine(
     body: kopf.Body, name: str, namespace: str, uid: str, spec: kopf.Spec, logger: Any, **_: Any
 ) -> None:
     """Secrets (admin key, generated API key), NetworkPolicy, Deployment and Service, owned
-    by the engine; with
-    spec.router.enabled, the router's objects too (removed again when it is turned off).
-    A name some other object holds stalls the engine and writes nothing (engine_objects)."""
+    by the engine; with spec.router.enabled, the router's objects too (removed again when
+    it is turned off). A name some other object holds stalls the engine and writes nothing
+    (engine_objects)."""
     try:
         parsed = PolyKVEngineSpec.model_validate(dict(spec))
     except ValueError as exc:

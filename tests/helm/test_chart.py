@@ -541,6 +541,30 @@ def test_each_hook_and_the_test_pod_hold_only_their_own_rules(tmp_path: Path) ->
         } | {("", "pods", "list")}
 
 
+def test_every_binding_refers_to_its_own_name_so_upgrades_never_change_a_role_ref(
+    tmp_path: Path,
+) -> None:
+    """A binding's roleRef cannot change: `helm upgrade` fails on a binding that keeps its
+    name and changes its role. Each binding the chart renders (every mode, hooks and test
+    included) refers to the role of its own name, and a RoleBinding to a Role (one
+    exception, a built-in Role), so a new role means a new binding name."""
+    full = {
+        **EXAMPLE_VALUES,
+        "autoscaling": {"externalMetrics": {"enabled": True}},
+    }
+    builtin = {("Role", "extension-apiserver-authentication-reader")}
+    for values in (full, {**full, "operator": {"watchNamespaces": ["a", "b"]}}):
+        for d in render(tmp_path, values):
+            if d["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+                continue
+            ref = (d["roleRef"]["kind"], d["roleRef"]["name"])
+            if ref in builtin:
+                continue
+            assert ref[1] == d["metadata"]["name"], d["metadata"]
+            if d["kind"] == "RoleBinding":
+                assert ref[0] == "Role", d["metadata"]
+
+
 @pytest.mark.parametrize("flag", ["cleanup.onUninstall=false", "crds.upgrade=false"])
 def test_hooks_can_be_turned_off(tmp_path: Path, flag: str) -> None:
     jobs = named(render(tmp_path, None, "--set", flag), "Job")
@@ -720,3 +744,19 @@ def test_the_external_metrics_provider_objects(tmp_path: Path) -> None:
     assert binding["roleRef"]["name"] == "extension-apiserver-authentication-reader"
     ingress = named(docs, "NetworkPolicy")["rel-polykv-operator"]["spec"]["ingress"]
     assert {"port": 6443, "protocol": "TCP"} in [p for rule in ingress for p in rule["ports"]]
+
+
+def test_the_argocd_application_renders_as_argocd_renders_it(tmp_path: Path) -> None:
+    """docs/application.yaml's values, rendered with no cluster to read (Argo CD runs `helm
+    template`): they render, twice the same, and its API server addresses are what the
+    operator and its jobs may reach."""
+    app = yaml.safe_load((CHART / "docs" / "application.yaml").read_text())
+    values = tmp_path / "argocd.yaml"
+    values.write_text(yaml.safe_dump(app["spec"]["source"]["helm"]["valuesObject"]))
+    args = ("template", "polykv", str(CHART), "-n", "polykv-system", "-f", str(values))
+    first = helm(*args, offline=False).stdout
+    assert helm(*args, offline=False).stdout == first
+    docs = [d for d in yaml.safe_load_all(first) if d]
+    egress = named(docs, "NetworkPolicy")["polykv-operator"]["spec"]["egress"][0]
+    cidrs = app["spec"]["source"]["helm"]["valuesObject"]["networkPolicy"]["apiServer"]["cidrs"]
+    assert [p["ipBlock"]["cidr"] for p in egress["to"]] == cidrs
