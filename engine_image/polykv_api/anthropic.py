@@ -22,7 +22,7 @@ from polykv_api.limits import (
     MAX_STOPS,
     MAX_TOOLS,
 )
-from polykv_api.models import SamplingFields
+from polykv_api.models import SamplingFields, supported_types
 
 BLOCK_TYPES = ("text", "tool_use", "tool_result")
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
@@ -72,16 +72,7 @@ ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discr
 
 
 def _known_blocks(value: Any, allowed: tuple[str, ...] = BLOCK_TYPES) -> Any:
-    """Name an unsupported block instead of pydantic's union-by-union complaint."""
-    if isinstance(value, list):
-        for block in value:
-            kind = block.get("type") if isinstance(block, dict) else None
-            if isinstance(kind, str) and kind not in allowed:
-                raise ValueError(
-                    f"content block type {kind!r} is not supported (supported: "
-                    f"{', '.join(allowed)}): this engine serves text models"
-                )
-    return value
+    return supported_types("content block", value, allowed, ": this engine serves text models")
 
 
 class Message(_Block):

@@ -27,6 +27,19 @@ POOL_NAME_PATTERN = r"^(?=.*[^0-9])[A-Za-z0-9][A-Za-z0-9._:-]{0,252}$"
 digits (a string of digits is a pool id). The engine's rule, which clients check too."""
 
 
+def supported_types(kind: str, value: Any, allowed: tuple[str, ...], why: str = "") -> Any:
+    """``value`` unchanged; a ValueError naming the first entry of a list whose ``type`` is
+    not ``allowed`` (instead of pydantic's complaint about every member of a union)."""
+    if isinstance(value, list):
+        for entry in value:
+            found = entry.get("type") if isinstance(entry, dict) else None
+            if isinstance(found, str) and found not in allowed:
+                raise ValueError(
+                    f"{kind} type {found!r} is not supported (supported: {', '.join(allowed)}){why}"
+                )
+    return value
+
+
 class _Request(BaseModel):
     """An inference body: OpenAI clients send many fields we do not use, so unknown fields
     are accepted and reported back in ``X-PolyKV-Ignored-Fields`` (never dropped silently)."""

@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from polykv_api.limits import INT32_MAX, MAX_BLOCKS, MAX_TOOLS
-from polykv_api.models import SamplingFields
+from polykv_api.models import SamplingFields, supported_types
 
 ITEM_TYPES = ("message", "function_call", "function_call_output")
 PART_TYPES = ("input_text", "output_text")
@@ -29,26 +29,13 @@ class _Item(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-def _named(kind: str, value: Any, allowed: tuple[str, ...], what: str) -> Any:
-    """Refuse an unsupported ``type`` by name instead of pydantic's union-by-union list."""
-    if isinstance(value, list):
-        for entry in value:
-            found = entry.get("type") if isinstance(entry, dict) else None
-            if isinstance(found, str) and found not in allowed:
-                raise ValueError(
-                    f"{kind} type {found!r} is not supported (supported: {', '.join(allowed)})"
-                    f"{what}"
-                )
-    return value
-
-
 class TextPart(_Item):
     type: Literal["input_text", "output_text"]
     text: str
 
 
 def _parts(value: Any) -> Any:
-    return _named("content part", value, PART_TYPES, ": this engine serves text models")
+    return supported_types("content part", value, PART_TYPES, ": this engine serves text models")
 
 
 class MessageItem(_Item):
@@ -189,12 +176,12 @@ class ResponsesRequest(SamplingFields):
                 {"type": "message", **v} if isinstance(v, dict) and "type" not in v else v
                 for v in value
             ]
-        return _named("input item", value, ITEM_TYPES, "")
+        return supported_types("input item", value, ITEM_TYPES, "")
 
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools_only(cls, value: Any) -> Any:
-        return _named(
+        return supported_types(
             "tool", value, TOOL_TYPES, ": built-in tools run on OpenAI's servers, not here "
             '(Codex: web_search = "disabled")',
         )  # fmt: skip

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from polykv_api import tracing
 from polykv_api.agent_headers import (
     AGENT_HEADERS,
     FINAL_HEADERS,
@@ -84,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=int(_env("CTX_SIZE", 4096)),
         help="KV cache size in tokens (0 = the model's training context)",
+    )
+    p.add_argument(
+        "-n",
+        "--n-predict",
+        type=int,
+        default=int(_env("N_PREDICT", -1)),
+        help="the most tokens one request may generate, whatever it asks (-1: no cap; "
+        "llama-server's -n): agent clients ask for up to 128000",
     )
     p.add_argument(
         "-np",
@@ -476,6 +485,7 @@ def config_from_args(
         sse_ping_interval_s=args.sse_ping_interval,
         write_timeout_s=args.timeout,
         max_body_bytes=args.polykv_max_body_bytes,
+        n_predict=args.n_predict,
         session_headers=SessionHeaders(
             session=args.polykv_session_headers,
             agent=args.polykv_agent_headers,
@@ -507,4 +517,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("polykv").warning(
             "no --api-key given: every route is open; pass a key outside local development"
         )
-    return asyncio.run(serve(Engine(engine_cfg), settings))
+    if tracing.setup("polykv-engine"):
+        logging.getLogger("polykv").info("tracing on: spans go to OTEL_EXPORTER_OTLP_*")
+    try:
+        return asyncio.run(serve(Engine(engine_cfg), settings))
+    finally:
+        if tracing.enabled():
+            tracing.shutdown()

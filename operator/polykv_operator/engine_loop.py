@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from opentelemetry import trace
 
 from . import manifests, metrics
 from . import status as stat
@@ -29,6 +30,7 @@ from .policies import select
 from .tree import PoolNode, by_name
 
 log = logging.getLogger("polykv.operator.engine_loop")
+TRACER = trace.get_tracer("polykv.operator")  # spans only when polykv_api.tracing set it up
 
 # (plural, object name, status merge patch); an object gone meanwhile is not an error.
 StatusWriter = Callable[[str, str, dict[str, Any]], Awaitable[None]]
@@ -216,7 +218,12 @@ async def serve(
                 state.quiet_rounds += 1
                 metrics.ROUNDS.labels("quiet").inc()
                 continue
-            await run_cycle(snapshot(), state, fleet, http, write_gate, write_status, write_cost)
+            ns, engine = state.key
+            attrs = {"k8s.namespace.name": ns, "polykv.engine": engine}
+            with TRACER.start_as_current_span("polykv.operator.round", attributes=attrs):
+                await run_cycle(
+                    snapshot(), state, fleet, http, write_gate, write_status, write_cost
+                )
         except Exception:
             failures += 1
             metrics.RECONCILES.labels("engine", "round", "error").inc()

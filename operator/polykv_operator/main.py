@@ -32,6 +32,8 @@ from typing import Any
 import httpx
 import kopf
 
+from polykv_api import tracing
+
 from . import manifests, metrics
 from . import status as stat
 from .api import (
@@ -126,6 +128,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # A replica's state is polled by our timers; a watch stall must not hide for long.
     settings.watching.inactivity_timeout = 600
     settings.execution.max_workers = 4  # no sync handlers do heavy work
+    # Each engine round as a span, when an OTLP endpoint is configured (OTEL_EXPORTER_OTLP_*).
+    if tracing.setup("polykv-operator"):
+        logging.getLogger("polykv.operator").info("tracing on: rounds go to the OTLP endpoint")
     # A timer or daemon being stopped (its object deleting) is checked on this often; kopf's
     # 60 s default held a finalizer for a minute whenever one was mid-call.
     settings.background.cancellation_polling = 0.5

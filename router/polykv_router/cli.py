@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
+from polykv_api import tracing
+
 from . import config, logs
 from .app import RouterApp
 
@@ -16,6 +18,7 @@ from .app import RouterApp
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = config.parse(sys.argv[1:] if argv is None else argv, os.environ)
     logs.setup(cfg.log_format, cfg.verbose)
+    traced = tracing.setup("polykv-router")
     app = RouterApp(cfg, dict(os.environ)).application()
     web.run_app(
         app,
@@ -26,6 +29,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutdown_timeout=cfg.shutdown_timeout_s,
         print=None,
     )
+    if traced:
+        tracing.shutdown()
     return 0
 
 

@@ -29,9 +29,12 @@ import time
 from collections.abc import Callable
 
 from aiohttp import web
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind
 
 from polykv_api import models as wire
 from polykv_api.agent_headers import HeaderError, agent_identity
+from polykv_api.tracing import session_hash
 
 from .bindings import Binding, Bindings, SessionKey
 from .capacity import CapacityPoller
@@ -49,6 +52,7 @@ from .reservations import Reservations
 from .verdicts import credentials, fingerprint
 
 log = logging.getLogger("polykv.router")
+TRACER = trace.get_tracer("polykv.router")  # spans only when polykv_api.tracing set it up
 
 Attempts = tuple[Relayed | None, list[Refusal], int]
 
@@ -82,6 +86,11 @@ class Router:
     # ------------------------------------------------------------------ entry points
 
     async def inference(self, request: web.Request) -> web.StreamResponse:
+        parent = propagate.extract(request.headers)  # the client's traceparent, if any
+        with TRACER.start_as_current_span("polykv.route", context=parent, kind=SpanKind.SERVER):
+            return await self._inference(request)
+
+    async def _inference(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         refused = await self._unauthenticated(request)
         if refused is not None:
@@ -96,6 +105,7 @@ class Router:
             return await self._place(request, body, key, None, t0, "oneshot")
         creds = credentials(request.headers)
         session = (fingerprint(creds), key.session)
+        trace.get_current_span().set_attribute("polykv.session.hash", session_hash(*session))
         binding = self.bindings.get(session, self.clock())
         if binding is None:
             binding = await self._lookup(session, creds, key.pool)
@@ -376,12 +386,20 @@ class Router:
                 self.bindings.bind(session, Binding(r.name, uid, boot, pool, now))
 
         r.in_flight += 1
-        try:
-            outcome = await self.proxy.forward(request, body, r.pod, extra, accept)
-        finally:
-            r.in_flight -= 1
-            if res is not None and res.accepted_at is None:
-                self.reservations.release(res)
+        attrs = {"polykv.replica": r.name, "polykv.pool.ref": pool or ""}
+        with TRACER.start_as_current_span("polykv.forward", kind=SpanKind.CLIENT, attributes=attrs):
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier)  # the engine's span continues this one
+            try:
+                outcome = await self.proxy.forward(
+                    request, body, r.pod, {**(extra or {}), **carrier}, accept
+                )
+            finally:
+                r.in_flight -= 1
+                if res is not None and res.accepted_at is None:
+                    self.reservations.release(res)
+            if isinstance(outcome, Refused):
+                trace.get_current_span().set_attribute("error.type", outcome.refusal.reason)
         return outcome
 
     # ------------------------------------------------------------------ answers
@@ -407,3 +425,4 @@ class Router:
 
     def _observe(self, kind: str, t0: float) -> None:
         self.metrics.added_latency.labels(kind).observe(time.perf_counter() - t0)
+        trace.get_current_span().set_attribute("polykv.routing.kind", kind)

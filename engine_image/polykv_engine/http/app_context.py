@@ -46,6 +46,7 @@ class ServerSettings:
     sse_ping_interval_s: float = 10.0  # keep-alive comments on an idle stream
     write_timeout_s: float = 600.0  # a client that reads nothing this long is dropped
     max_body_bytes: int | None = None  # None: derived from the context size (limits)
+    n_predict: int = -1  # -n: the most tokens a request may generate (-1: no cap)
     # Which headers say who an agent is (polykv_api.agent_headers).
     session_headers: SessionHeaders = field(default_factory=SessionHeaders)
 

@@ -132,6 +132,7 @@ class ResponseBuilder:
     ) -> None:
         self.route = route
         self.model = model
+        self.operation = "chat" if route == "oai_chat" else "text_completion"
         self.created = int(time.time())
         prefix = "chatcmpl" if route == "oai_chat" else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"

@@ -50,6 +50,8 @@ class Wire(Protocol):
     """The bodies of one request in one API, whole or streamed."""
 
     keepalive: bytes  # sent on a stream that has had nothing to say for a while
+    model: str  # the model name the answer reports
+    operation: str  # GenAI semantic conventions: chat or text_completion
 
     def final(self, r: GenerationResult, events: list[TokenEvent]) -> dict[str, Any]:
         """The whole (not streamed) response body."""

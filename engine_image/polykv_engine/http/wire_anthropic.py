@@ -36,6 +36,7 @@ def usage(n_prompt: int, cached: int, output: int, breakpoints: bool) -> dict[st
 
 class MessagesWire:
     keepalive = frame(Named("ping", {"type": "ping"}))
+    operation = "chat"
 
     def __init__(self, model: str, tools: ToolCallParser | None, breakpoints: bool) -> None:
         self.id = f"msg_{uuid.uuid4().hex}"

@@ -41,6 +41,7 @@ def usage(n_prompt: int, cached: int, output: int) -> dict[str, Any]:
 
 class ResponsesWire:
     keepalive = b": keep-alive\n\n"
+    operation = "chat"
 
     def __init__(
         self,

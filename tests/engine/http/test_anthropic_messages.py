@@ -358,3 +358,14 @@ def test_claude_code_sessions_sub_agents_share_the_prefix_and_final_releases(
     r = raw.post("/v1/messages", json={"model": "m", "max_tokens": 1, "messages": ASK},
                  headers={"X-Claude-Code-Session-Id": "bad id"})  # fmt: skip
     assert r.status_code == 400 and "x-claude-code-session-id" in r.json()["error"]["message"]
+
+
+def test_n_predict_caps_what_an_agent_asks_for(start_engine: Callable[..., EngineProcess]) -> None:
+    """Claude Code asks for 128000 tokens; ``-n`` (llama-server's) caps every request."""
+    eng = start_engine("-np", "1", "-c", "2048", "-n", "3")
+    kw: dict[str, Any] = dict(model="m", max_tokens=128000, messages=ASK, extra_body=GREEDY)
+    with sdk(eng).messages.stream(**kw) as stream:  # the SDK streams a request this long
+        msg = stream.get_final_message()
+    assert msg.usage.output_tokens == 3 and msg.stop_reason == "max_tokens"
+    r = httpx.post(f"{eng.base_url}/completion", json={"prompt": "a", "n_predict": 2}, timeout=60)
+    assert r.json()["tokens_predicted"] == 2  # under the cap: as asked

@@ -42,6 +42,7 @@ from polykv_engine.core.tasks import (
     GenerationResult,
     TokenEvent,
 )
+from polykv_engine.http import tracing
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.auth import identity_of
 from polykv_engine.http.errors import ApiError, body_bytes, parse
@@ -86,6 +87,13 @@ class QueueSink:
         self._clock = clock
         self._held: list[TokenEvent] = []
         self._posted_at = -math.inf
+        self.submitted_ns = 0  # when the task went to the engine (its queue span starts)
+        self.result: GenerationResult | None = None  # the outcome, once the loop has it
+        self.done_ns = 0  # when the loop had it (the decode span ends)
+
+    def finished(self, result: GenerationResult) -> GenerationResult:
+        self.result, self.done_ns = result, time.time_ns()
+        return result
 
     def emit(self, event: Event) -> None:
         if isinstance(event, TokenEvent):
@@ -168,6 +176,9 @@ def task_from(
     if identity is None:
         identity = identity_of_agent(request, req.session_id)
     request[SESSION_FINAL] = identity.final
+    cap = ctx_of(request).settings.n_predict
+    if cap >= 0 and not 0 <= n_predict <= cap:  # -n, as llama-server caps a request's
+        n_predict = cap
     return GenerateTask(
         prompt=prompt,
         sampling=_sampling(req, grammar, check_repeat_last_n(ctx_of(request), req)),
@@ -265,37 +276,77 @@ async def run(
         raise ApiError(
             503, "server is shutting down", headers={"Retry-After": "5"}, reason="shutting_down"
         )
-    with ctx.owed():  # no await since the draining check: the drain sees this request
-        assert ctx.gate is not None
-        if ctx.gate.queue_full():  # queued in the engine, or held by the gate
-            raise ctx.gate.refuse_full_queue(task)
-        rehomed = request.headers.get(REHOMED_HEADER, "") in ("1", "true")
-        overcommit, rehomed = ctx.gate.trusted_overrides(
-            req.overcommit, rehomed, identity_of(request).trusted
-        )
-        extra_headers = await ctx.gate.admit(task, overcommit, rehomed)
-        ctx.engine.submit(task)
-        done = False
+    # No await since the draining check: the drain sees this request.
+    with (
+        ctx.owed(),
+        tracing.request_span(
+            request.headers, builder.operation, builder.model, _request_attributes(task)
+        ) as span,
+    ):
         try:
-            if req.stream:
-                resp = await _stream(
-                    request, ctx, req, task, sink, builder, include_usage, extra_headers
-                )
-            else:
-                resp = await _whole(ctx, req, task, sink, builder, extra_headers)
-            done = True
+            resp = await _gated_run(request, ctx, req, task, sink, builder, include_usage)
         except ApiError as exc:
-            if exc.reason == "queue_full":  # turned away: demand the autoscaler must see
-                ctx.gate.record_refusal(task, None)
+            tracing.record_error(span, exc.status, exc.reason)
             raise
-        finally:
-            ctx.gate.finished(task)
-            if not done:
-                # Client gone (handler cancelled) or write failed: free the slot now.
-                ctx.engine.cancel(task.task_id)
-        if request.get(SESSION_FINAL) and task.session_id is not None:
-            await release_session(ctx, task.tenant, task.session_id)
+        if sink.result is not None:
+            tracing.record_done(span, task, sink.result, sink.submitted_ns, sink.done_ns)
+    if request.get(SESSION_FINAL) and task.session_id is not None:
+        await release_session(ctx, task.tenant, task.session_id)
+    return resp
+
+
+def _request_attributes(task: GenerateTask) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        "gen_ai.request.temperature": task.sampling.temperature,
+        "gen_ai.request.top_p": task.sampling.top_p,
+    }
+    if task.stop.n_predict >= 0:
+        attrs["gen_ai.request.max_tokens"] = task.stop.n_predict
+    if task.pool_ref is not None:
+        attrs["polykv.pool.ref"] = str(task.pool_ref)
+    return attrs
+
+
+async def _gated_run(
+    request: web.Request,
+    ctx: AppContext,
+    req: SamplingFields,
+    task: GenerateTask,
+    sink: QueueSink,
+    builder: Wire,
+    include_usage: bool,
+) -> web.StreamResponse:
+    """Admission, the engine's work and the answer: a request the drain waits for."""
+    assert ctx.gate is not None
+    if ctx.gate.queue_full():  # queued in the engine, or held by the gate
+        raise ctx.gate.refuse_full_queue(task)
+    rehomed = request.headers.get(REHOMED_HEADER, "") in ("1", "true")
+    overcommit, rehomed = ctx.gate.trusted_overrides(
+        req.overcommit, rehomed, identity_of(request).trusted
+    )
+    with tracing.TRACER.start_as_current_span("polykv.gate"):
+        extra_headers = await ctx.gate.admit(task, overcommit, rehomed)
+    sink.submitted_ns = time.time_ns()
+    ctx.engine.submit(task)
+    done = False
+    try:
+        if req.stream:
+            resp = await _stream(
+                request, ctx, req, task, sink, builder, include_usage, extra_headers
+            )
+        else:
+            resp = await _whole(ctx, req, task, sink, builder, extra_headers)
+        done = True
         return resp
+    except ApiError as exc:
+        if exc.reason == "queue_full":  # turned away: demand the autoscaler must see
+            ctx.gate.record_refusal(task, None)
+        raise
+    finally:
+        ctx.gate.finished(task)
+        if not done:
+            # Client gone (handler cancelled) or write failed: free the slot now.
+            ctx.engine.cancel(task.task_id)
 
 
 async def _whole(
@@ -312,6 +363,7 @@ async def _whole(
         if isinstance(ev, TokenEvent):
             events.append(ev)
         elif isinstance(ev, DoneEvent):
+            sink.finished(ev.result)
             return web.json_response(
                 builder.final(ev.result, events),
                 headers={**_headers(ctx, req, task, ev.result), **extra_headers},
@@ -382,7 +434,7 @@ async def _stream(
             if ev is None:
                 break
         if isinstance(ev, DoneEvent):
-            result = ev.result
+            result = sink.finished(ev.result)
             out.extend(frame(final) for final in builder.stream_final(result))
         elif isinstance(ev, ErrorEvent):
             out.extend(frame(p) for p in builder.stream_error(_api_error(ev)))
