@@ -514,6 +514,7 @@ Reason = Literal[
     "kv_headroom",
     "context_headroom",
     "settling",
+    "prefill",
     "kv_full",
     "queue_full",
     "loading",
@@ -720,7 +721,7 @@ class PoolSession(BaseModel):
 
 
 AdmissionReason = Literal[
-    "ok", "guaranteed", "settling", "tps_floor", "kv_headroom", "context_headroom"
+    "ok", "guaranteed", "settling", "prefill", "tps_floor", "kv_headroom", "context_headroom"
 ]
 """``Capacity.reason_code``: why one more session may or may not join (``ok`` admits)."""
 
@@ -872,6 +873,14 @@ class Capacity(BaseModel):
     guaranteed: bool
     known_session: bool
     compaction_pressure: float
+    prefill_pending_tokens: int = Field(
+        0, description="prompt tokens the engine has promised to compute (queued or running)"
+    )
+    projected_prefill_tps: float | None = Field(
+        None,
+        description="the decode rate a session gets while those prompts are computed beside "
+        "the sessions decoding (null: nothing promised, or not measured yet)",
+    )
 
 
 class CapacityReport(Capacity):

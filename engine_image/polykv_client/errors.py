@@ -22,7 +22,8 @@ older than the codes is read by its status alone, where the status has one meani
         ├── SessionNotFound          session_not_found, slot_not_found
         ├── SessionBusy              session_empty, session_busy, slot_busy
         └── PoolSaturated            a 429 from the admission gate (tps_floor, kv_headroom,
-                                     context_headroom, settling), with ``retry_after``
+                                     context_headroom, settling, prefill), with
+                                     ``retry_after``
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ ERRORS: dict[wire.Reason, type[PolyKVError]] = {
     "kv_headroom": PoolSaturated,
     "context_headroom": PoolSaturated,
     "settling": PoolSaturated,
+    "prefill": PoolSaturated,
     "kv_full": EngineUnavailable,
     "queue_full": EngineUnavailable,
     "no_replica": EngineUnavailable,

@@ -278,6 +278,20 @@ def build_parser() -> argparse.ArgumentParser:
         "every step (cycle, the default), decode-only steps (step), or none (for comparison)",
     )
     p.add_argument(
+        "--polykv-prefill-budget",
+        type=int,
+        default=0,
+        help="prompt tokens one step may carry while sessions decode (a fixed chunked-prefill "
+        "budget); 0: sized so each step keeps the tightest floor of the sessions decoding",
+    )
+    p.add_argument(
+        "--polykv-prefill-floor-tps",
+        type=float,
+        default=0.0,
+        help="the floor prompt pacing keeps for decoding sessions whose pool sets none (0: "
+        "such sessions do not pace prompts)",
+    )
+    p.add_argument(
         "--polykv-max-queue",
         type=int,
         default=None,
@@ -394,6 +408,7 @@ def config_from_args(
             1,
         ),
         ("--polykv-park-mib", args.polykv_park_mib, 0),
+        ("--polykv-prefill-budget", args.polykv_prefill_budget, 0),
     ):
         if value < low:
             parser.error(f"{name} must be >= {low}, got {value}")
@@ -407,6 +422,8 @@ def config_from_args(
             f"--cache-type-v {args.cache_type_v} needs flash attention (llama.cpp keeps a "
             "quantized V cache only with it): drop -fa off or use -ctv f16"
         )
+    if not 0 <= args.polykv_prefill_floor_tps <= 10_000:
+        parser.error("--polykv-prefill-floor-tps must be between 0 and 10000")
     if args.sse_ping_interval <= 0 or args.timeout <= 0:
         parser.error("--sse-ping-interval and --timeout must be > 0 seconds")
     if not 0 <= args.polykv_stream_interval_ms <= 1000:
@@ -466,6 +483,8 @@ def config_from_args(
         park_mib=args.polykv_park_mib,
         pause_aware_admission=args.pause_aware_admission,
         admission_ceiling=args.polykv_admission_ceiling,
+        prefill_budget=args.polykv_prefill_budget,
+        prefill_floor_tps=args.polykv_prefill_floor_tps,
         max_queue=(
             args.polykv_max_queue if args.polykv_max_queue is not None else 8 * args.parallel
         ),

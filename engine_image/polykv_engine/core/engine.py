@@ -48,6 +48,7 @@ from polykv_engine.core.tasks import (
 )
 from polykv_engine.kv.cache import KVCache
 from polykv_engine.llama.runtime import Batch, LlamaError, LlamaRuntime, RuntimeConfig
+from polykv_engine.policy.prefill import PrefillPacer
 from polykv_engine.policy.step_time import (
     CYCLE_ALPHA,
     CYCLE_FRESH_S,
@@ -90,6 +91,8 @@ class EngineConfig:
     park_mib: int = 1024  # host memory for idle caches parked out of KV (0: never park)
     pause_aware_admission: bool = True  # admission counts sessions between turns as load
     admission_ceiling: CeilingCurve = "cycle"  # which step-time curve caps admission's projection
+    prefill_budget: int = 0  # prompt tokens a step may carry while sessions decode (0: by floor)
+    prefill_floor_tps: float = 0.0  # the floor pacing assumes for sessions without a pool floor
 
 
 class Engine:
@@ -107,6 +110,7 @@ class Engine:
         self._decode_rate = ThroughputRate(cfg.tps_window_s)
         self._prefill_rate = ThroughputRate(cfg.tps_window_s)
         self._step_timer = StepTimer()
+        self._pacer = PrefillPacer(cfg.prefill_budget, cfg.prefill_floor_tps)
         # Every step with sessions decoding, start to next start (prompt chunks and loop time
         # included): the time between two tokens of a decoding session, by the number of
         # sessions in the batch (decoding or prefilling their turn).
@@ -558,9 +562,10 @@ class Engine:
             self._bump(
                 kv_parked_tokens=parked.parked_tokens, kv_park_dropped_tokens=parked.dropped_tokens
             )
+        prompt_budget, t_dec = self._prompt_budget()
         retried = False
         while True:
-            build_batch(batch, self.slots.slots, self.pools)
+            build_batch(batch, self.slots.slots, self.pools, prompt_budget)
             if batch.n == 0:
                 self.pools.after_decode()  # builds with nothing to prefill (L == D) finish
                 return
@@ -592,11 +597,33 @@ class Engine:
         self._bump(step_seconds=seconds)
         if not retried and decoding == batch.n:
             self._step_timer.record(decoding, seconds)
+        elif not retried:
+            self._pacer.record(batch.n - decoding, seconds, t_dec if decoding else None)
         if decoding:
             # Keyed by every session in the batch, not the decoding ones only: a step that
             # carries another session's prompt is that session's cost, and admission asks
             # for the rate when all R + 1 sessions run their turns, prompts included.
             self._cycle_from = (busy, t0)
+
+    def _prompt_budget(self) -> tuple[int | None, float | None]:
+        """Prompt and pool tokens this step may carry beside the decoding sessions (None: as
+        many as fit), and how long their decode-only step takes (``policy.prefill``)."""
+        decoding = [s for s in self.slots.slots if s.state == "decoding" and s.pending is not None]
+        if not decoding or not (self.pools.builds or self.slots.prefilling_any()):
+            return None, None
+        t_dec = self.snapshot.step_curve.time_at(len(decoding))
+        period = self._pacer.period_s(self._floor_tps(s) for s in decoding)
+        capacity = self.rt.n_batch - len(decoding)
+        budget = self._pacer.budget(period, t_dec, capacity)
+        if budget < min(capacity, self.slots.prompt_left() + self.pools.pending_tokens()):
+            self._bump(prefill_paced_steps=1)
+        return budget, t_dec
+
+    def _floor_tps(self, slot: Slot) -> float | None:
+        """The floor of the pool the slot is attached to, if it has one."""
+        pool = self.pools.tree.pools.get(slot.pool_id) if slot.pool_id is not None else None
+        policy = pool.admission if pool is not None else None
+        return policy.target_tps_per_session if policy is not None else None
 
     def _flush_streams(self) -> None:
         """Tokens that sinks hold back leave now, before the engine thread is busy a while."""
@@ -844,10 +871,21 @@ class Engine:
             counters=self._fold_counters(),
             step_curve=self._step_timer.curve(),
             cycle_curve=self._cycle_timer.curve(time.perf_counter()),
+            prefill_pending=self._prefill_pending(),
+            prefill=self._pacer.model,
+            n_batch=rt.n_batch if rt else 0,
         )
         answers, self._answers = self._answers, []
         for task, done in answers:
             task.sink.emit(done)
+
+    def _prefill_pending(self) -> int:
+        """Prompt tokens still to compute: prompts prefilling or waiting (their whole length:
+        what a cache will spare is known only on a slot), and pools materializing."""
+        if self._slots is None or self._pools is None:
+            return 0
+        waiting = sum(len(t.prompt) for t in self._waiting)
+        return waiting + self._slots.prompt_left() + self._pools.pending_tokens()
 
     def _shutdown(self) -> None:
         msg = "server is shutting down"

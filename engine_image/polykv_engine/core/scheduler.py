@@ -63,10 +63,13 @@ def choose_slot(
     return chosen
 
 
-def build_batch(batch: Batch, slots: Sequence[Slot], pools: PoolManager) -> None:
+def build_batch(
+    batch: Batch, slots: Sequence[Slot], pools: PoolManager, prompt_budget: int | None = None
+) -> None:
     """One token for every decoding slot first (running sessions never wait on prompts),
     then prompt chunks in arrival order (an early long prompt is not starved by later short
-    ones), then chunks of pools being materialized, up to the batch's capacity."""
+    ones), then chunks of pools being materialized, up to the batch's capacity and at most
+    ``prompt_budget`` prompt and pool tokens (``policy.prefill``; None: no limit)."""
     batch.clear()
     budget = batch.capacity
     for slot in slots:
@@ -78,6 +81,8 @@ def build_batch(batch: Batch, slots: Sequence[Slot], pools: PoolManager) -> None
             slot.logits_idx = batch.add(slot.pending, pos, slot.slot_id, True)
             slot.batch_tokens = 1
             budget -= 1
+    if prompt_budget is not None:
+        budget = min(budget, prompt_budget)
     prefilling = sorted((s for s in slots if s.state == "prefill"), key=lambda s: s.t_start)
     for slot in prefilling:
         if budget <= 0:

@@ -366,6 +366,13 @@ class SlotTable:
         """The prompts the tenant's slots are prefilling now."""
         return [s.prompt for s in self.slots if s.state == "prefill" and s.tenant == tenant]
 
+    def prefilling_any(self) -> bool:
+        return any(s.state == "prefill" for s in self.slots)
+
+    def prompt_left(self) -> int:
+        """Prompt tokens the slots prefilling still have to compute."""
+        return sum(len(s.prompt) - s.n_prompt_done for s in self.slots if s.state == "prefill")
+
     def cached_of(self, tenant: str, session_id: str | None) -> Sequence[int]:
         """The whole prompt cache of the tenant's session (empty when it has no slot)."""
         own = self.slot_of(tenant, session_id)

@@ -12,6 +12,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from polykv_api.models import AdmissionPolicy, PoolRef
+from polykv_engine.policy.prefill import PrefillModel
 from polykv_engine.policy.step_time import StepCurve
 from polykv_engine.policy.tps import ActiveRates, active_rates
 from polykv_engine.pools.tree import PoolTree
@@ -126,6 +127,7 @@ class Counters:
     kv_unparked_tokens: int = 0  # parked cells put back for their session's next turn
     kv_park_dropped_tokens: int = 0  # parked cells discarded to stay within the budget
     tokens_max: int = 0  # longest sequence seen (prompt + generation)
+    prefill_paced_steps: int = 0  # steps whose prompt work the floor's budget cut short
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +147,11 @@ class EngineSnapshot:
     counters: Counters = field(default_factory=Counters)
     step_curve: StepCurve = field(default_factory=StepCurve)  # decode step time by batch size
     cycle_curve: StepCurve = field(default_factory=StepCurve)  # token-to-token time, any step
+    # Prompt tokens the engine has promised to compute (prompts prefilling or waiting for a
+    # slot, pools materializing) and how it paces them beside decoding sessions.
+    prefill_pending: int = 0
+    prefill: PrefillModel = field(default_factory=PrefillModel)
+    n_batch: int = 0  # tokens one step can carry
 
     @property
     def n_ctx_slot(self) -> int:

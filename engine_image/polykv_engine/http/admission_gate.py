@@ -27,6 +27,7 @@ from polykv_engine.core.tasks import GenerateTask
 from polykv_engine.http.errors import ApiError
 from polykv_engine.http.metrics import PoolCounters
 from polykv_engine.policy.admission import (
+    REASON_PREFILL,
     REASON_SETTLING,
     RETURN_WINDOW_S,
     EngineView,
@@ -48,6 +49,7 @@ GATE_REASONS: dict[AdmissionReason, Reason] = {
     "ok": "tps_floor",
     "guaranteed": "tps_floor",
     "settling": "settling",
+    "prefill": "prefill",
     "tps_floor": "tps_floor",
     "kv_headroom": "kv_headroom",
     "context_headroom": "context_headroom",
@@ -63,6 +65,12 @@ def engine_view(
     ceiling_curve: CeilingCurve = "cycle",
 ) -> EngineView:
     wall = time.time()  # slots stamp the end of a turn with the wall clock
+
+    def floor(pool_id: int | None) -> float | None:
+        attached = snap.pool(pool_id) if pool_id is not None else None
+        policy = attached.admission if attached is not None else None
+        return policy.target_tps_per_session if policy is not None else None
+
     sessions = tuple(
         SessionView(
             task_id=s.task_id,
@@ -75,6 +83,7 @@ def engine_view(
             private_tokens=max(0, s.ctx_used - s.shared_prefix),
             returning=s.processing
             or (s.session_id is not None and wall - s.last_used < RETURN_WINDOW_S),
+            floor_tps=floor(s.pool_id),
         )
         for s in snap.slots
     )
@@ -90,6 +99,9 @@ def engine_view(
         cycle_curve=snap.cycle_curve,
         pause_aware=pause_aware,
         ceiling_curve=ceiling_curve,
+        prefill_pending=snap.prefill_pending,
+        prefill=snap.prefill,
+        n_batch=snap.n_batch,
     )
 
 
@@ -251,8 +263,9 @@ class AdmissionGate:
             return {}
         cap = self.capacity(pool, None, None)
         enforced = policy.mode == "enforced"
-        if enforced and cap.reason == REASON_SETTLING:
-            # Slow the spawn just enough: wait for the settle, then decide.
+        if enforced and cap.reason in (REASON_SETTLING, REASON_PREFILL):
+            # Slow the spawn just enough: wait for the settle, or for the prompts in
+            # progress to go in, then decide.
             cap = await self._hold(task, pool, (policy.settle_max_ms + 1000) / 1e3, True)
         if enforced and not cap.can_admit and policy.on_saturation == "queue":
             cap = await self._hold(task, pool, policy.queue_max_ms / 1e3, False)
@@ -325,7 +338,7 @@ class AdmissionGate:
         self._admitted_to[task.task_id] = pool.pool_id
 
     async def _hold(
-        self, task: GenerateTask, pool: PoolSnapshot, limit_s: float, settle_only: bool
+        self, task: GenerateTask, pool: PoolSnapshot, limit_s: float, transient: bool
     ) -> Capacity:
         """Hold the request (a place in the queue bound) until it may go, or refuse it
         (503 queue_full) when the bound is already taken."""
@@ -334,16 +347,17 @@ class AdmissionGate:
         self.counters.holds.labels(pool.label).inc()
         self.held += 1
         try:
-            return await self._wait(pool, limit_s, settle_only)
+            return await self._wait(pool, limit_s, transient)
         finally:
             self.held -= 1
 
-    async def _wait(self, pool: PoolSnapshot, limit_s: float, settle_only: bool) -> Capacity:
+    async def _wait(self, pool: PoolSnapshot, limit_s: float, transient: bool) -> Capacity:
         deadline = time.monotonic() + limit_s
         while True:
             current = self.engine.snapshot.pool(pool.pool_id) or pool
             cap = self.capacity(current, None, None)
-            done = not cap.settling if settle_only else cap.can_admit
+            passing = cap.settling or cap.reason == REASON_PREFILL
+            done = not passing if transient else cap.can_admit
             if done or time.monotonic() >= deadline:
                 return cap
             await asyncio.sleep(POLL_S)

@@ -40,6 +40,11 @@ _COUNTERS: list[tuple[str, str, str]] = [
         "kv_park_dropped_tokens",
         "Parked cells discarded to stay within --polykv-park-mib",
     ),
+    (
+        "prefill_paced_steps",
+        "prefill_paced_steps",
+        "Steps whose prompt work was cut to the budget that keeps decoding sessions' floor",
+    ),
 ]
 
 
@@ -69,6 +74,11 @@ class EngineCollector(Collector):
         yield gauge("requests_deferred", "Requests waiting for a slot", snap.n_waiting)
         yield gauge("aggregate_decode_tps", "Decoded tokens/s, all sessions", snap.aggregate_tps)
         yield gauge("prefill_tps", "Prompt tokens/s processed", snap.prefill_tps)
+        yield gauge(
+            "prefill_pending_tokens",
+            "Prompt tokens the engine has promised to compute (prefilling or queued)",
+            snap.prefill_pending,
+        )
         active = snap.active
         yield gauge(
             "mean_active_tps",

@@ -32,8 +32,11 @@ Arms, in order (the first that decides wins):
 1. context (hard): ``expected_tokens`` that cannot fit a slot's context or the free cells;
 2. guaranteed minimum: fewer attached sessions than ``guarantee_min_sessions`` → admit;
 3. settling: the last admit has not been absorbed by the measurements yet → wait;
-4. KV headroom: no room for one more session's private suffix → refuse;
-5. tps floor: the projected mean under the target.
+4. prompt work: the prompts the engine has promised to compute (``policy.prefill`` paces
+   them beside the decoding sessions) would hold the sessions under the floor while they
+   run → wait, as for settling (the dip passes when the prompts are in);
+5. KV headroom: no room for one more session's private suffix → refuse;
+6. tps floor: the projected mean under the target.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from polykv_api.models import AdmissionPolicy, AdmissionReason, Capacity
+from polykv_engine.policy.prefill import PrefillModel
 from polykv_engine.policy.step_time import CeilingCurve, StepCurve
 from polykv_engine.policy.tps import ActiveRates, active_rates
 
@@ -61,6 +65,7 @@ REASON_FLOOR = "projected mean tps below floor"
 REASON_FLOOR_IDLE = "projected mean tps below floor (idle estimate)"
 REASON_KV = "kv headroom exhausted"
 REASON_CONTEXT = "context headroom exhausted"
+REASON_PREFILL = "prompt work in progress would dip under the floor"
 
 # The spec's human reason strings and the stable codes programs match on.
 REASON_CODES: dict[str, AdmissionReason] = {
@@ -71,6 +76,7 @@ REASON_CODES: dict[str, AdmissionReason] = {
     REASON_FLOOR_IDLE: "tps_floor",
     REASON_KV: "kv_headroom",
     REASON_CONTEXT: "context_headroom",
+    REASON_PREFILL: "prefill",
 }
 
 
@@ -87,6 +93,7 @@ class SessionView:
     ctx_used: int
     private_tokens: int  # cells only this session holds
     returning: bool = False  # running a turn, or between turns (its last ended recently)
+    floor_tps: float | None = None  # the floor of the pool it is attached to, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +108,9 @@ class EngineView:
     cycle_curve: StepCurve = field(default_factory=StepCurve)
     pause_aware: bool = True  # count returning sessions, not only those decoding now
     ceiling_curve: CeilingCurve = "cycle"
+    prefill_pending: int = 0  # prompt tokens the engine has promised to compute
+    prefill: PrefillModel = field(default_factory=PrefillModel)
+    n_batch: int = 0
 
     @property
     def active(self) -> ActiveRates:
@@ -290,6 +300,23 @@ def ceiling(view: EngineView, n: int) -> float | None:
     return 1.0 / t if t else None
 
 
+def prefill_dip(view: EngineView, floor_tps: float | None) -> float | None:
+    """The decode rate a session gets while the promised prompts are computed beside every
+    returning session (paced at the tightest floor among them and ``floor_tps``, the pool's
+    own, whose next session joins them); None when nothing is promised or the decode-only
+    step time at that size is not measured yet."""
+    if view.prefill_pending <= 0:
+        return None
+    b = max(view.n_returning, 1)
+    t_dec = view.step_curve.time_at(b)
+    if t_dec is None:
+        return None
+    floors = [s.floor_tps for s in view.sessions if s.decoding or s.returning]
+    period = view.prefill.period_s([*floors, floor_tps])
+    step = view.prefill.step_s(period, t_dec, view.prefill_pending, max(1, view.n_batch - b))
+    return 1.0 / step if step > 0 else None
+
+
 def compaction_pressure(view: EngineView) -> float:
     """0 while under half of the cells and of the fullest session's context are used, rising
     linearly to 1 at full: the orchestrator should compact before it reaches 1."""
@@ -330,6 +357,7 @@ def capacity(
     headroom = max(0, min(kv_room, view.idle_slots))
     kv_pct = 100.0 * view.free_cells / view.total_cells if view.total_cells else 0.0
     settling = policy is not None and state.settle is not None
+    dip = prefill_dip(view, policy.target_tps_per_session if policy is not None else None)
     remaining = state.settle_remaining_ms(policy, now) if policy is not None else 0.0
     guaranteed = False
 
@@ -350,6 +378,8 @@ def capacity(
             return True, REASON_OK  # a continuation is never gated
         if settling:
             return False, REASON_SETTLING
+        if policy is not None and dip is not None and dip < policy.target_tps_per_session:
+            return False, REASON_PREFILL
         if kv_room < 1:
             return False, REASON_KV
         if (
@@ -381,6 +411,8 @@ def capacity(
         guaranteed=guaranteed,
         known_session=known_session,
         compaction_pressure=compaction_pressure(view),
+        prefill_pending_tokens=view.prefill_pending,
+        projected_prefill_tps=dip,
     )
 
 

@@ -236,6 +236,13 @@ class PoolManager:
                     _settle(fut)
         return total
 
+    def pending_tokens(self) -> int:
+        """Prefix tokens the builds still have to compute."""
+        return sum(
+            b.pool.prefix_len - (b.pool.n_materialized if b.started else b.pool.branch_pos)
+            for b in self.builds
+        )
+
     def builds_in_batch(self) -> list[Build]:
         return [b for b in self.builds if b.batch_tokens]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from polykv_api.models import AdmissionPolicy, Capacity
@@ -12,6 +14,7 @@ from polykv_engine.policy.admission import (
     REASON_GUARANTEED,
     REASON_KV,
     REASON_OK,
+    REASON_PREFILL,
     REASON_SETTLING,
     EngineView,
     LoadMemory,
@@ -21,6 +24,7 @@ from polykv_engine.policy.admission import (
     compaction_pressure,
     retry_after_s,
 )
+from polykv_engine.policy.prefill import PrefillModel
 from polykv_engine.policy.step_time import CeilingCurve, StepCurve
 
 
@@ -379,3 +383,37 @@ def test_no_cap_lets_a_rate_earned_while_others_paused_through() -> None:
     assert not capped.can_admit
     assert uncapped.projected_mean_tps_if_admitted == pytest.approx(51.0 * 0.0287 / 0.0352)
     assert uncapped.can_admit
+
+
+def prompt_work(pending: int, model: PrefillModel, *sessions: SessionView) -> EngineView:
+    """Sessions decoding at 20 ms a step (one and two measured) with ``pending`` prompt
+    tokens promised."""
+    v = view(*sessions, steps=curve((1, 0.02), (2, 0.02)))
+    return replace(v, prefill_pending=pending, prefill=model, n_batch=2048)
+
+
+def test_promised_prompt_work_that_would_dip_under_the_floor_holds_a_new_session() -> None:
+    floor5 = AdmissionPolicy(target_tps_per_session=5.0, mode="enforced")
+    running = sess(40.0, task=1)
+    # A fixed budget of 512 tokens at 3 ms each: steps of ~1.5 s, 0.65 tok/s while it runs.
+    fixed = PrefillModel(fixed_budget=512, token_s=0.003)
+    cap = capacity(floor5, PoolAdmissionState(), prompt_work(1900, fixed, running), now=0)
+    assert not cap.can_admit and cap.reason == REASON_PREFILL and cap.reason_code == "prefill"
+    assert cap.prefill_pending_tokens == 1900
+    assert cap.projected_prefill_tps == pytest.approx(1 / (0.02 + 512 * 0.003))
+    # Paced at the pool's own floor, the prompt keeps it: admitted.
+    paced = PrefillModel(token_s=0.003)
+    cap = capacity(floor5, PoolAdmissionState(), prompt_work(1900, paced, running), now=0)
+    assert cap.can_admit and cap.projected_prefill_tps is not None
+    assert cap.projected_prefill_tps >= 5.0
+    # Nothing promised: no dip to price.
+    cap = capacity(floor5, PoolAdmissionState(), prompt_work(0, fixed, running), now=0)
+    assert cap.can_admit and cap.projected_prefill_tps is None and cap.prefill_pending_tokens == 0
+
+
+def test_unpaced_prompt_work_counts_its_whole_step() -> None:
+    # No floor anywhere and no fixed budget: the 1,900-token prompt rides one ~5.7 s step.
+    model = PrefillModel(token_s=0.003)
+    cap = capacity(None, PoolAdmissionState(), prompt_work(1900, model, sess(40.0)), now=0)
+    assert cap.projected_prefill_tps == pytest.approx(1 / (0.02 + 1900 * 0.003))
+    assert cap.can_admit  # no policy, no floor to hold for

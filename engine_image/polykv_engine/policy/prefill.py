@@ -1,0 +1,110 @@
+"""Prompt work paced so that sessions already decoding keep their floor (pure: callers pass
+step times; no clock of its own).
+
+Every decoding session gets one token per step, so a step that carries a whole prompt
+freezes all of them for the whole prefill: four sessions at ~20 ms a token got none for
+6 s while a 1,900-token prompt went through in one step. While sessions decode, a step
+therefore carries at most a budget of prompt tokens (new prompts and pool builds together),
+sized so the step lasts about ``PACE`` × the tightest floor period of the sessions decoding
+(a 5 tok/s floor: 200 ms). Every such step also carries each decoding session's token, so
+between any two prompt chunks every decoding session gets a token. Where even the smallest
+chunk cannot fit beside the decoding sessions within the period, chunks of ``MIN_CHUNK``
+go only on every other step (a decode-only step between them), so the prompt still
+advances. ``--polykv-prefill-budget N`` fixes the budget instead (vLLM's chunked-prefill
+token budget); with no floor among the decoding sessions and no fixed budget a step takes
+as much prompt as the batch holds, as before.
+
+The step-time model: t(k) = t_dec(b) + k × c, where t_dec(b) is the engine's measured time
+of a decode-only step with b sessions (``policy.step_time``) and c the cost of one prompt
+token in a mixed step, learned from every step that carried prompt tokens. c grows as the
+prompt goes on (each token attends to all before it); the EWMA follows it within a few steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+PACE = 0.85  # a paced step aims at this share of the floor period (the rest is loop time)
+MIN_CHUNK = 16  # the smallest prompt chunk worth a step
+FIRST_CHUNK = 32  # the first chunk, before any prompt step was timed
+COST_ALPHA = 0.5  # weight of the last prompt step in the per-token cost
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillModel:
+    """What the pacer knows, published with the snapshot so admission can price the prompt
+    work the engine has promised."""
+
+    fixed_budget: int = 0  # --polykv-prefill-budget; 0: from the floor
+    default_floor_tps: float = 0.0  # --polykv-prefill-floor-tps: for sessions without one
+    token_s: float | None = None  # learned seconds per prompt token in a mixed step
+
+    def period_s(self, floors: Iterable[float | None]) -> float | None:
+        """The tightest floor period among sessions with these floors (None: a session
+        without a pool floor has the default), or None when none has a floor."""
+        tightest = max((f or self.default_floor_tps for f in floors), default=0.0)
+        return 1.0 / tightest if tightest > 0 else None
+
+    def budget(self, period_s: float | None, t_dec: float | None, capacity: int) -> int:
+        """Prompt tokens a step may carry beside ``b`` decoding sessions whose decode-only
+        step takes ``t_dec``; ``period_s``: the tightest floor period among them (None: no
+        floor). Below ``MIN_CHUNK`` means the chunk cannot fit within the period."""
+        if self.fixed_budget > 0:
+            return min(self.fixed_budget, capacity)
+        if period_s is None:
+            return capacity
+        if self.token_s is None:
+            return min(FIRST_CHUNK, capacity)
+        room = PACE * period_s - (t_dec or 0.0)
+        return max(0, min(capacity, int(room / self.token_s)))
+
+    def step_s(self, period_s: float | None, t_dec: float, pending: int, capacity: int) -> float:
+        """How long a step takes while ``pending`` prompt tokens are paced beside sessions
+        whose decode-only step takes ``t_dec``: the time between their tokens."""
+        cost = self.token_s or 0.0
+        budget = self.budget(period_s, t_dec, capacity)
+        k = min(pending, MIN_CHUNK if budget < MIN_CHUNK else budget)
+        if period_s is not None and self.fixed_budget == 0 and budget < MIN_CHUNK:
+            # Alternating: a chunk step and a decode-only step, two tokens per pair.
+            return t_dec + k * cost / 2
+        return t_dec + k * cost
+
+
+@dataclass(slots=True)
+class PrefillPacer:
+    """The engine thread's pacer: ``budget()`` before a step, ``record()`` after one."""
+
+    fixed_budget: int = 0
+    default_floor_tps: float = 0.0
+    _token_s: float | None = None
+    _skipped: bool = True  # the last starved plan gave its step to the decoders
+
+    @property
+    def model(self) -> PrefillModel:
+        return PrefillModel(self.fixed_budget, self.default_floor_tps, self._token_s)
+
+    def period_s(self, floors: Iterable[float | None]) -> float | None:
+        return self.model.period_s(floors)
+
+    def budget(self, period_s: float | None, t_dec: float | None, capacity: int) -> int:
+        """Prompt tokens the next step may carry while sessions decode (0: none this step)."""
+        k = self.model.budget(period_s, t_dec, capacity)
+        if k >= MIN_CHUNK or period_s is None or self.fixed_budget > 0:
+            self._skipped = True
+            return k
+        # Even a small chunk overruns the period: one on every other step, so the decoding
+        # sessions get a decode-only step between chunks and the prompt still advances.
+        self._skipped = not self._skipped
+        return 0 if self._skipped else min(MIN_CHUNK, capacity)
+
+    def record(self, prompt_tokens: int, seconds: float, t_dec: float | None) -> None:
+        """A step that carried ``prompt_tokens`` took ``seconds``; ``t_dec``: what the same
+        step without them would have taken (None when unknown: all of it is the prompt's)."""
+        if prompt_tokens <= 0 or seconds <= 0:
+            return
+        # At least a quarter of the step is the prompt's: a decode-only time measured under
+        # other load must not make the prompt look free (the next budget would balloon).
+        cost = max(seconds - (t_dec or 0.0), 0.25 * seconds) / prompt_tokens
+        old = self._token_s
+        self._token_s = cost if old is None else old + COST_ALPHA * (cost - old)
