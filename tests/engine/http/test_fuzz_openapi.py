@@ -25,12 +25,29 @@ LENGTH_FIELDS = ("n_predict", "max_tokens", "max_completion_tokens", "max_output
 pytestmark = pytest.mark.slow
 
 
-def tame(body: Any) -> None:
+# The length field each generating route reads; without one a prompt may decode up to the
+# context (minutes on a loaded 2-core machine, past the call's timeout).
+DEFAULT_LENGTH = {
+    "/completion": "n_predict",
+    "/completions": "n_predict",
+    "/v1/completions": "max_tokens",
+    "/v1/chat/completions": "max_tokens",
+    "/v1/messages": "max_tokens",
+    "/v1/responses": "max_output_tokens",
+}
+
+
+def tame(body: Any, path: str) -> None:
     """Generated lengths can ask for millions of tokens: cap them so a run stays short."""
     if isinstance(body, dict):
         for field in LENGTH_FIELDS:
-            if isinstance(body.get(field), int) and body[field] > 4:
+            # null means "no limit" as much as an absent field does
+            if field in body and (
+                body[field] is None or (isinstance(body[field], int) and body[field] > 4)
+            ):
                 body[field] = 4
+        if path in DEFAULT_LENGTH and not any(f in body for f in LENGTH_FIELDS):
+            body[DEFAULT_LENGTH[path]] = 4
         body.pop("stream", None)
 
 
@@ -47,7 +64,7 @@ def _fuzz_one(
         suppress_health_check=list(HealthCheck),
     )
     def run(case: Any) -> None:
-        tame(case.body)
+        tame(case.body, op.path)
         resp = case.call(base_url=engine.base_url, timeout=60)
         status = resp.status_code
         seen[f"{label} {status}"] = seen.get(f"{label} {status}", 0) + 1
