@@ -18,8 +18,8 @@ older than the codes is read by its status alone, where the status has one meani
         ├── HasChildren              has_children
         ├── SeqIdsExhausted          seq_ids_exhausted
         ├── PoolBusy                 pinned, in use, materializing, released, parent failed
-        ├── PoolsDisabled            pools_disabled, not_supported
-        ├── SessionNotFound          session_not_found, slot_not_found
+        ├── PoolsDisabled            pools_disabled, not_supported, recurrent_branch/attach
+        ├── SessionNotFound          session_not_found, slot_not_found, response_not_found
         ├── SessionBusy              session_empty, session_busy, slot_busy
         └── PoolSaturated            a 429 from the admission gate (tps_floor, kv_headroom,
                                      context_headroom, settling, prefill), with
@@ -112,12 +112,13 @@ class PoolBusy(RequestRejected):
 
 
 class PoolsDisabled(RequestRejected):
-    """This engine serves no pools (a recurrent or sliding-window model, or
-    ``--polykv-max-pools 0``), or does not support the request."""
+    """This engine serves no pools (``--polykv-max-pools 0``), or its model cannot do what
+    was asked (a branch or attach below a pool's length on a recurrent or hybrid model)."""
 
 
 class SessionNotFound(RequestRejected):
-    """No session (or slot) by that id on this engine."""
+    """No session (or slot) by that id on this engine, or the response a
+    ``previous_response_id`` names is gone with its session."""
 
 
 class SessionBusy(RequestRejected):
@@ -177,6 +178,9 @@ ERRORS: dict[wire.Reason, type[PolyKVError]] = {
     "prefix_mismatch": PrefixMismatch,
     "no_common_prefix": PrefixMismatch,
     "branch_pos_invalid": PrefixMismatch,
+    # a recurrent state is exact only at a pool's end: the model cannot do what was asked
+    "recurrent_branch": PoolsDisabled,
+    "recurrent_attach": PoolsDisabled,
     "seq_ids_exhausted": SeqIdsExhausted,
     "has_children": HasChildren,
     "pool_pinned": PoolBusy,
@@ -186,6 +190,7 @@ ERRORS: dict[wire.Reason, type[PolyKVError]] = {
     "parent_failed": PoolBusy,
     "session_not_found": SessionNotFound,
     "slot_not_found": SessionNotFound,
+    "response_not_found": SessionNotFound,
     "session_empty": SessionBusy,
     "session_busy": SessionBusy,
     "slot_busy": SessionBusy,
