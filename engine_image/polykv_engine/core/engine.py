@@ -300,7 +300,8 @@ class Engine:
             log.warning(
                 "--context-shift with pools: a session whose context holds pool-shared cells "
                 "is never shifted (that would corrupt the pool for everyone); it stops with "
-                "truncated=true instead. Compact by re-forking (see the README)."
+                "truncated=true instead. Compact by re-forking (docs/concepts.md, "
+                "'Context and compaction')."
             )
         self._publish(ready=True)
 

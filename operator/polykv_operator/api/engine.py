@@ -96,8 +96,9 @@ class PolyKVEngineSpec(KubeModel):
     port: int = Field(8080, ge=1, le=65535)
     """The engine's HTTP port inside the pod."""
     api_key_secret_ref: SecretKeySelector | None = None
-    """Inference API key (--api-key) read from this Secret key; absent: inference routes are
-    open to whoever can reach the pods."""
+    """Inference API key (--api-key) read from this Secret key; absent: the operator
+    generates one into the Secret `<engine>-polykv-api-key` (key `api-key`). An engine never
+    serves inference without a key."""
     extra_args: list[str] | None = None
     """More polykv-engine flags (llama-server style), appended as given."""
     resources: dict[str, Any] | None = None
