@@ -7,12 +7,14 @@ freezes all of them for the whole prefill: four sessions at ~20 ms a token got n
 therefore carries at most a budget of prompt tokens (new prompts and pool builds together),
 sized so the step lasts about ``PACE`` × the tightest floor period of the sessions decoding
 (a 5 tok/s floor: 200 ms). Every such step also carries each decoding session's token, so
-between any two prompt chunks every decoding session gets a token. Where even the smallest
-chunk cannot fit beside the decoding sessions within the period, chunks of ``MIN_CHUNK``
-go only on every other step (a decode-only step between them), so the prompt still
-advances. ``--polykv-prefill-budget N`` fixes the budget instead (vLLM's chunked-prefill
-token budget); with no floor among the decoding sessions and no fixed budget a step takes
-as much prompt as the batch holds, as before.
+between any two prompt chunks every decoding session gets a token. Where the decoding
+sessions' own step already takes most of the period (the engine is over its floor, or the
+machine is busy), the prompt still gets as much time per step as their decode does, and
+never less than ``MIN_CHUNK`` tokens: their gap at most doubles while the prompt goes in,
+rather than the prompt starving (on a machine loaded to 30x its usual step time, a
+starved 2,000-token prompt took ten minutes). ``--polykv-prefill-budget N`` fixes the
+budget instead (vLLM's chunked-prefill token budget); with no floor among the decoding
+sessions and no fixed budget a step takes as much prompt as the batch holds, as before.
 
 The step-time model: t(k) = t_dec(b) + k × c, where t_dec(b) is the engine's measured time
 of a decode-only step with b sessions (``policy.step_time``) and c the cost of one prompt
@@ -49,26 +51,22 @@ class PrefillModel:
     def budget(self, period_s: float | None, t_dec: float | None, capacity: int) -> int:
         """Prompt tokens a step may carry beside ``b`` decoding sessions whose decode-only
         step takes ``t_dec``; ``period_s``: the tightest floor period among them (None: no
-        floor). Below ``MIN_CHUNK`` means the chunk cannot fit within the period."""
+        floor)."""
         if self.fixed_budget > 0:
             return min(self.fixed_budget, capacity)
         if period_s is None:
             return capacity
         if self.token_s is None:
             return min(FIRST_CHUNK, capacity)
-        room = PACE * period_s - (t_dec or 0.0)
-        return max(0, min(capacity, int(room / self.token_s)))
+        t_dec = t_dec or 0.0
+        room = max(PACE * period_s - t_dec, t_dec)
+        return min(capacity, max(MIN_CHUNK, int(room / self.token_s)))
 
     def step_s(self, period_s: float | None, t_dec: float, pending: int, capacity: int) -> float:
         """How long a step takes while ``pending`` prompt tokens are paced beside sessions
         whose decode-only step takes ``t_dec``: the time between their tokens."""
-        cost = self.token_s or 0.0
-        budget = self.budget(period_s, t_dec, capacity)
-        k = min(pending, MIN_CHUNK if budget < MIN_CHUNK else budget)
-        if period_s is not None and self.fixed_budget == 0 and budget < MIN_CHUNK:
-            # Alternating: a chunk step and a decode-only step, two tokens per pair.
-            return t_dec + k * cost / 2
-        return t_dec + k * cost
+        k = min(pending, self.budget(period_s, t_dec, capacity))
+        return t_dec + k * (self.token_s or 0.0)
 
 
 @dataclass(slots=True)
@@ -78,7 +76,6 @@ class PrefillPacer:
     fixed_budget: int = 0
     default_floor_tps: float = 0.0
     _token_s: float | None = None
-    _skipped: bool = True  # the last starved plan gave its step to the decoders
 
     @property
     def model(self) -> PrefillModel:
@@ -88,15 +85,8 @@ class PrefillPacer:
         return self.model.period_s(floors)
 
     def budget(self, period_s: float | None, t_dec: float | None, capacity: int) -> int:
-        """Prompt tokens the next step may carry while sessions decode (0: none this step)."""
-        k = self.model.budget(period_s, t_dec, capacity)
-        if k >= MIN_CHUNK or period_s is None or self.fixed_budget > 0:
-            self._skipped = True
-            return k
-        # Even a small chunk overruns the period: one on every other step, so the decoding
-        # sessions get a decode-only step between chunks and the prompt still advances.
-        self._skipped = not self._skipped
-        return 0 if self._skipped else min(MIN_CHUNK, capacity)
+        """Prompt tokens the next step may carry while sessions decode."""
+        return self.model.budget(period_s, t_dec, capacity)
 
     def record(self, prompt_tokens: int, seconds: float, t_dec: float | None) -> None:
         """A step that carried ``prompt_tokens`` took ``seconds``; ``t_dec``: what the same

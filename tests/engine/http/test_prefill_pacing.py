@@ -110,8 +110,8 @@ def test_a_pool_floor_paces_the_prompt_and_capacity_counts_it(floored: httpx.Cli
     alone = newcomer(floored, 3)  # ~1,800 tokens: over a hundred paced steps
     prefix = tokenize(floored, "The shared instructions of the crew. " * 4)
     create(floored, tokens=prefix, name="paced")
-    # A floor no session of the tiny model can reach: no chunk fits beside its decode step,
-    # so chunks of the smallest size go on every other step.
+    # A floor no session of the tiny model can reach: each step's prompt chunk gets as long
+    # as the decode step takes (at least 16 tokens), so the prompt spreads over many steps.
     policy(
         floored, "paced", target_tps_per_session=1e9, mode="advisory",
         settle_tokens=1, settle_max_ms=1,

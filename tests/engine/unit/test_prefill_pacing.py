@@ -58,12 +58,17 @@ def test_a_step_no_slower_than_its_decode_part_does_not_make_the_prompt_free() -
     assert pacer.model.token_s is not None and pacer.model.token_s > 0
 
 
-def test_a_floor_that_no_chunk_can_keep_alternates_chunks_with_decode_only_steps() -> None:
+def test_a_floor_the_decode_step_already_misses_still_lets_the_prompt_in() -> None:
     pacer = PrefillPacer()
     pacer.record(40, 0.42, 0.02)  # 10 ms a prompt token
-    # 170 ms of the period, 160 ms of decoding: room for one token, below MIN_CHUNK.
-    budgets = [pacer.budget(0.2, 0.16, CAP) for _ in range(6)]
-    assert budgets == [MIN_CHUNK, 0, MIN_CHUNK, 0, MIN_CHUNK, 0]
+    # 170 ms of the period, 160 ms of decoding: the prompt gets as long as the decode step.
+    assert pacer.budget(0.2, 0.16, CAP) == 16
+    # A machine so busy that the decode step alone takes 640 ms: still 64 tokens a step.
+    assert pacer.budget(0.2, 0.64, CAP) == 64
+    # Never below the smallest chunk.
+    assert pacer.budget(0.2, 0.001, CAP) == int((PACE * 0.2 - 0.001) / 0.01)
+    pacer.record(40, 40.0, 0.02)  # a very slow step: about 1 s a token now
+    assert pacer.budget(0.2, 0.02, CAP) == MIN_CHUNK
 
 
 def test_the_tightest_floor_decides_and_sessions_without_one_take_the_default() -> None:
@@ -79,6 +84,8 @@ def test_the_step_time_while_prompts_are_paced() -> None:
     paced = model.step_s(0.2, 0.02, 5000, CAP)
     assert paced == pytest.approx(0.02 + int((PACE * 0.2 - 0.02) / 0.003) * 0.003)
     assert paced <= PACE * 0.2
+    # The decode step alone over the period: the prompt's share is as long again.
+    assert model.step_s(0.2, 0.3, 5000, CAP) == pytest.approx(0.3 + 100 * 0.003)
     # A short prompt takes less than the budget.
     assert model.step_s(0.2, 0.02, 10, CAP) == pytest.approx(0.02 + 10 * 0.003)
     # No floor: the whole prompt rides one step, as it did before pacing.
