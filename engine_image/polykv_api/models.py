@@ -781,7 +781,13 @@ class PoolList(BaseModel):
     kv_cells_used: int
     kv_cells_total: int
     kv_bytes_per_token: int
-    kv_bytes_used: int
+    kv_bytes_used: int = Field(
+        description="kv_cells_used x kv_bytes_per_token, plus recurrent_state_bytes for every "
+        "pool and session that computed tokens of its own"
+    )
+    recurrent_state_bytes: int = Field(
+        0, description="a recurrent or hybrid model's state per sequence (0: none)"
+    )
     unpooled_sessions: list[PoolSession] = Field(
         default_factory=list, description="sessions holding KV outside any pool"
     )

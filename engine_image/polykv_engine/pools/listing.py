@@ -5,6 +5,10 @@ to the oldest pool holding it (a parent is always older than its forks, so a for
 what it added), else to the lowest-numbered session holding it. So Σ own bytes of every pool
 + Σ marginal bytes of every session == the bytes in use, with nothing counted twice; and one
 pool's share is found from its own cells, whatever the number of other pools.
+
+On a recurrent or hybrid model every sequence that computed tokens of its own also holds a
+recurrent state of fixed size (one attached at a pool's end shares the pool's until it
+decodes): it is counted with that sequence's own bytes.
 """
 
 from __future__ import annotations
@@ -45,7 +49,14 @@ class _Attribution:
         if seq is None:
             return 0
         n = self._counts[seq] if self._counts is not None else self.model.owned(seq, self._rank)
-        return n * self.pools.bpt
+        return n * self.pools.bpt + (self.pools.state_bytes if n > 0 else 0)
+
+    @property
+    def used_bytes(self) -> int:
+        """Every holder's bytes (whole attribution only)."""
+        assert self._counts is not None
+        holders = sum(1 for n in self._counts.values() if n > 0)
+        return self.model.used * self.pools.bpt + holders * self.pools.state_bytes
 
     @cached_property
     def shared_by_sessions(self) -> set[int]:
@@ -147,7 +158,8 @@ def render(
         kv_cells_used=model.used,
         kv_cells_total=n_ctx,
         kv_bytes_per_token=bpt,
-        kv_bytes_used=model.used * bpt,
+        kv_bytes_used=attribution.used_bytes,
+        recurrent_state_bytes=pools.state_bytes,
         unpooled_sessions=unpooled,
         implicit_shared_cells=len(attribution.shared_by_sessions),
         kv_cells_measured=measured,

@@ -91,10 +91,13 @@ class PoolManager:
         bytes_per_token: int,
         grace_s: float,
         session_tokens: Callable[[str], tuple[int, list[int]] | None],
+        state_bytes: int = 0,
+        extend_only: bool = False,
     ) -> None:
         self.kv = kv
-        self.tree = PoolTree(seq_ids)
+        self.tree = PoolTree(seq_ids, extend_only)
         self.bpt = bytes_per_token
+        self.state_bytes = state_bytes  # a recurrent state, per sequence that computed tokens
         self.grace_s = grace_s
         self._session_tokens = session_tokens
         self.builds: list[Build] = []
