@@ -47,6 +47,7 @@ from polykv_engine.core.tasks import (
     TokenEvent,
 )
 from polykv_engine.kv.cache import KVCache
+from polykv_engine.kv.memory import Memory, swa_full_cost
 from polykv_engine.llama.runtime import Batch, LlamaError, LlamaRuntime, RuntimeConfig
 from polykv_engine.policy.prefill import PrefillPacer
 from polykv_engine.policy.step_time import (
@@ -131,6 +132,8 @@ class Engine:
         self._pools: PoolManager | None = None
         self._slots: SlotTable | None = None
         self.pools_disabled_reason: str | None = None
+        self.memory = Memory("attention")  # the model's, once loaded
+        self.swa_full_cost = 0  # bytes the full-size SWA cache adds (pools on an SWA model)
         self._arrived = False  # a request was queued since the last arrival barrier
         self.arrival_barrier: Callable[[float], None] | None = None
         """Set by the server before ``start()``. Called on the engine thread when requests
@@ -240,49 +243,83 @@ class Engine:
             self._shutdown()
 
     def _load(self) -> None:
-        rcfg = replace(self.cfg.runtime, n_seq_max=self.n_seq_max)
+        pools_on = self.cfg.max_pools > 0
+        # Pools on a sliding-window model: a pool of any length, attached or branched at any
+        # point, needs the window layers to keep every cell too (a full-size SWA cache; no
+        # effect on other models), and each pool a guard sequence (kv.cache).
+        rcfg = replace(
+            self.cfg.runtime,
+            n_seq_max=self.n_seq_max,
+            swa_full=self.cfg.runtime.swa_full or pools_on,
+            guard_seqs=self.cfg.max_pools,
+        )
         t0 = time.perf_counter()
         rt = LlamaRuntime(rcfg)
         self.runtime = rt
+        info = rt.info
+        self.memory = Memory.of(info.is_recurrent, info.is_hybrid, info.n_swa)
         if self.cfg.warmup:
             tw = time.perf_counter()
             rt.warm_up(0)
             log.info("warm-up decode done in %.2fs", time.perf_counter() - tw)
-        n_ctx_slot = min(rt.n_ctx_seq, rt.info.n_ctx_train or rt.n_ctx_seq)
+        n_ctx_slot = min(rt.n_ctx_seq, info.n_ctx_train or rt.n_ctx_seq)
         self._batch = rt.new_batch()
-        self._kv = KVCache(rt)
+        first = self.cfg.n_parallel
+        pool_seqs = range(first, first + self.cfg.max_pools)
+        guards = {seq: self.n_seq_max + i for i, seq in enumerate(pool_seqs)}
+        self._kv = KVCache(rt, guards if rt.guard_seqs else None)
         self._slots = SlotTable(
             [
                 Slot(i, n_ctx_slot, SessionRate(self.cfg.tps_window_tokens, self.cfg.tps_window_s))
                 for i in range(self.cfg.n_parallel)
             ],
             self._kv,
-            self._park_seq if self._plain_kv else None,
+            self._park_seq if self.memory.plain else None,
             self.cfg.park_mib << 20,
+            self.memory,
         )
-        first = self.cfg.n_parallel
         self._pools = PoolManager(
             self._kv,
-            range(first, first + self.cfg.max_pools),
+            pool_seqs,
             rt.kv_bytes_per_token,
             self.cfg.pool_grace_s,
             self._slots.session_tokens,
+            state_bytes=rt.state_bytes,
+            extend_only=self.memory.exact_length,
         )
-        if rt.info.is_recurrent or rt.info.is_hybrid:
-            # Recurrent state cannot be shared by position range: no pools on such a model.
-            self.pools_disabled_reason = "this model keeps recurrent state; pools need a KV cache"
-        elif rt.info.n_swa > 0 and self.cfg.max_pools > 0:
-            # llama.cpp reuses a sliding-window layer's cells once they fall out of their
-            # sequence's window; a pool's own cells would be overwritten and a later attach
-            # or fork would read a prefix with holes. Refuse rather than serve that.
+        if not pools_on:
+            self.pools_disabled_reason = "pools are disabled (--polykv-max-pools 0)"
+        elif self.memory.kind == "hybrid" and info.n_swa > 0:
+            # Its attention layers recycle cells like any sliding window, and a guard
+            # sequence cannot share a recurrent state: a pool could not be kept whole.
             self.pools_disabled_reason = (
-                f"this model uses sliding-window attention (window {rt.info.n_swa} tokens): "
-                "llama.cpp recycles cells outside the window, so a shared prefix cannot be kept "
-                "whole; pools are disabled on it (sessions and prompt caching still work)"
+                f"this hybrid model has sliding-window attention (window {info.n_swa} "
+                "tokens) beside its recurrent state: llama.cpp recycles the window's cells "
+                "and a recurrent sequence cannot be guarded against that, so pools are "
+                "disabled on it (sessions and prompt caching still work)"
             )
             log.warning("pools disabled: %s", self.pools_disabled_reason)
-        elif self.cfg.max_pools == 0:
-            self.pools_disabled_reason = "pools are disabled (--polykv-max-pools 0)"
+        elif self.memory.guarded:
+            n_ubatch = min(rcfg.n_ubatch, rcfg.n_batch)
+            self.swa_full_cost = swa_full_cost(
+                rt.n_ctx, info.n_swa, rt.n_seq_max, n_ubatch, rcfg.kv_unified,
+                rt.swa_bytes_per_token,
+            )  # fmt: skip
+            log.info(
+                "sliding-window model (window %d tokens): pools keep their cells with guard "
+                "sequences, and the window layers keep a full-size cache: %.1f MiB more than "
+                "a window-sized one (%d bytes per token of context)",
+                info.n_swa,
+                self.swa_full_cost / 2**20,
+                rt.swa_bytes_per_token,
+            )
+        elif self.memory.exact_length:
+            log.info(
+                "%s model: a pool is attached at exactly its length and forks extend their "
+                "parent (recurrent state %d bytes per sequence)",
+                self.memory.kind,
+                rt.state_bytes,
+            )
         log.info(
             "model loaded in %.2fs: %s, n_ctx=%d (per slot %d), n_batch=%d, slots=%d, "
             "seq ids=%d (pools %d), kv_unified=%s",
@@ -516,17 +553,10 @@ class Engine:
         )
 
     @property
-    def _plain_kv(self) -> bool:
-        """Cells can be shared and moved by position range: no sliding window recycling
-        them, no recurrent state."""
-        info = self.rt.info
-        return not (info.n_swa > 0 or info.is_recurrent or info.is_hybrid)
-
-    @property
     def _auto_share(self) -> bool:
         """Sharing cells between sequences is only sound where pools are (one unified KV
         cache: a split cache gives every slot its own cells, so nothing can be shared)."""
-        return self.cfg.auto_share and self.rt.cfg.kv_unified and self._plain_kv
+        return self.cfg.auto_share and self.rt.cfg.kv_unified and self.memory.plain
 
     def _attached(self, task: GenerateTask) -> AttachedPool | None:
         """The task's pool as prefix reuse sees it: only a resident pool has cells."""
@@ -761,6 +791,8 @@ class Engine:
         """A shift moves cell positions; cells shared with a pool or another session would
         move for them too and corrupt them, so such a slot stops cleanly instead."""
         assert slot.task is not None
+        if not self.rt.can_shift:  # a recurrent state has no positions to move
+            return False
         n_keep = min(slot.task.n_keep, slot.n_past - 1)
         if not self.slots.can_shift(slot, n_keep):
             log.info(

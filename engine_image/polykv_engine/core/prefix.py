@@ -13,7 +13,13 @@ Every rule of reuse is stated once, here:
 - the slot keeps its own cache up to its common prefix with the prompt; a request that asks
   for no cache reuse keeps only the pool's part;
 - on a sliding-window model, cached tokens count only while the window before them is still
-  in the cache (llama.cpp recycles cells that left it);
+  in the cache (llama.cpp recycles a sequence's own cells once they left its window; cells a
+  guarded pool holds too are never recycled);
+- on a recurrent or hybrid model (``exact_length``), a sequence's state exists only after its
+  last token: a pool is attached at exactly its length or the request is refused
+  (``recurrent_attach``), and a slot's cache is reused whole or not at all (a cache holding
+  the pool's tokens and more is kept as it is, never swapped for the pool's cells: that
+  would replace its state with the pool's);
 - automatic sharing then takes the longest prefix another resident sequence holds: a slot of
   the same tenant, or the attached pool (never a pool the request did not name);
 - a prompt waits for a prefix another slot is prefilling when that would save at least
@@ -25,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from polykv_engine.kv.memory import recycled_below
 from polykv_engine.pools.tree import PoolError
 from polykv_engine.tokens import common_prefix_len
 
@@ -62,8 +69,9 @@ class PrefixPlan:
     pool_p: int = 0  # P: the slot's sequence starts with the pool's cells [0, P)
     pool_fresh: bool = False  # the slot's cache goes and the pool's cells are shared in;
     # else the slot's own cells for those tokens are swapped for the pool's (same tokens)
-    recycled_at: int = 0  # > 0: the sliding window before this position was recycled, so
-    # the whole cache goes before the cut
+    # > 0: the cut the slot's cache could not be kept at (the sliding window before it was
+    # recycled, or a recurrent state cannot go back to it): the whole cache goes instead.
+    dropped_at: int = 0
     keep: int = 0  # tokens of the slot's cache kept
     share_seq: int = -1  # the sequence [keep, reuse) is shared from (-1: none)
     reuse: int = 0  # prompt tokens not computed again
@@ -80,12 +88,22 @@ def reusable(prompt: Sequence[int], n: int) -> int:
     return min(n, len(prompt) - 1)
 
 
-def pool_prefix(prompt: Sequence[int], pool: AttachedPool) -> int:
+def pool_prefix(prompt: Sequence[int], pool: AttachedPool, exact_length: bool = False) -> int:
     """P, the pool tokens an attach shares: as declared, else the common prefix (auto-P).
-    A declared P beyond the pool or over tokens the prompt does not match is refused."""
+    A declared P beyond the pool or over tokens the prompt does not match is refused, and
+    with ``exact_length`` any P short of the pool's length."""
     p = pool.declared_p
     if p is None:
-        return reusable(prompt, common_prefix_len(prompt, pool.tokens))
+        p = reusable(prompt, common_prefix_len(prompt, pool.tokens))
+        if exact_length and p < len(pool.tokens):
+            raise PoolError(
+                409,
+                "recurrent_attach",
+                f"this model keeps a recurrent state, which pool {pool.label!r} has only at "
+                f"its end (token {len(pool.tokens)}): the prompt must start with the pool's "
+                f"whole prefix and go on past it, but it shares only {p} of its tokens",
+            )
+        return p
     if p > len(pool.tokens):
         raise PoolError(
             409,
@@ -100,6 +118,14 @@ def pool_prefix(prompt: Sequence[int], pool: AttachedPool) -> int:
             "prefix_mismatch",
             f"the prompt differs from pool {pool.label!r} at token {d}, inside the declared "
             f"shared prefix of {p} tokens",
+        )
+    if exact_length and reusable(prompt, p) < len(pool.tokens):
+        raise PoolError(
+            409,
+            "recurrent_attach",
+            f"this model keeps a recurrent state, which pool {pool.label!r} has only at its "
+            f"end: shared_prefix_n_tokens must be its length {len(pool.tokens)}, with the "
+            f"prompt going on past it (got {p} of a {len(prompt)}-token prompt)",
         )
     return reusable(prompt, p)
 
@@ -116,12 +142,6 @@ def resident_prefix(prompt: Sequence[int], residents: Sequence[Resident]) -> tup
     return best_seq, best
 
 
-def window_intact(n_swa: int, window_start: int, keep: int) -> bool:
-    """On a sliding-window model (``n_swa`` > 0), whether the ``n_swa`` positions before
-    ``keep`` are still in the cache, whose lowest position is ``window_start``."""
-    return n_swa <= 0 or window_start <= max(0, keep - n_swa)
-
-
 def plan(
     prompt: Sequence[int],
     cache: Sequence[int],
@@ -129,35 +149,47 @@ def plan(
     reuse_cache: bool,
     pool: AttachedPool | None = None,
     residents: Sequence[Resident] = (),
+    exact_length: bool = False,
     n_swa: int = 0,
-    window_start: int = 0,
+    horizon: int = 0,
+    protected: int = 0,
 ) -> PrefixPlan:
     """How a slot whose cells hold ``cache`` serves ``prompt``. ``reuse_cache``: the request
     allows reuse of cached tokens (``cache_prompt``); ``residents``: the other sequences
-    automatic sharing may take from (empty: no automatic sharing); ``window_start``: the
-    slot sequence's lowest position in the cache (sliding-window models, where nothing is
-    attached or shared). Raises ``PoolError`` for a declared P the pool does not match."""
+    automatic sharing may take from (empty: no automatic sharing); ``exact_length``: the
+    model's memory is exact only at a sequence's end (recurrent, hybrid). Sliding-window
+    models (``n_swa`` > 0): the slot's own cells below ``horizon`` may have been recycled,
+    its first ``protected`` cells (a guarded pool's) never are. Raises ``PoolError`` for a
+    declared P the pool does not match, or an attach below the pool's length where
+    ``exact_length``."""
     pool_seq, pool_p, fresh = -1, 0, False
     if pool is not None:
-        pool_seq, pool_p = pool.seq_id, pool_prefix(prompt, pool)
+        pool_seq, pool_p = pool.seq_id, pool_prefix(prompt, pool, exact_length)
         own = common_prefix_len(cache, prompt) if reuse_cache else 0
+        if exact_length and reusable(prompt, own) < len(cache):
+            own = 0  # a cache cut short is no cache at all
         fresh = pool_p > own
         if fresh:
             cache = prompt[:pool_p]
+            protected = pool_p
+        elif exact_length:
+            pool_seq, pool_p = -1, 0  # its own cache goes on from past the pool: kept whole
     keep = common_prefix_len(cache, prompt)
     if not reuse_cache:
         keep = min(keep, pool_p)
     keep = reusable(prompt, keep)
-    recycled_at = 0
-    if 0 < keep < len(cache) and not window_intact(n_swa, window_start, keep):
-        recycled_at, keep = keep, 0
+    dropped_at = 0
+    if 0 < keep < len(cache) and (
+        exact_length or recycled_below(horizon, n_swa, keep, protected)
+    ):
+        dropped_at, keep = keep, 0
     share_seq, reuse = -1, keep
     if reuse_cache and residents:
         src, p = resident_prefix(prompt, residents)
         p = reusable(prompt, p)
         if p > keep:
             share_seq, reuse = src, p
-    return PrefixPlan(pool_seq, pool_p, fresh, recycled_at, keep, share_seq, reuse)
+    return PrefixPlan(pool_seq, pool_p, fresh, dropped_at, keep, share_seq, reuse)
 
 
 def waits_for_shared_prefix(

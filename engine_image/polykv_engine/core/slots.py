@@ -23,6 +23,7 @@ from polykv_engine.core.snapshot import SlotSnapshot, SlotState
 from polykv_engine.core.tasks import GenerateTask, GenerationResult, StopType
 from polykv_engine.core.textstream import TextAssembler
 from polykv_engine.kv.cache import KVCache
+from polykv_engine.kv.memory import Memory, recycle_horizon
 from polykv_engine.llama.runtime import Sampler
 from polykv_engine.llama.sampling import SamplingParams
 from polykv_engine.policy.tps import SessionRate
@@ -91,6 +92,9 @@ class Slot:
     seed: int = 0
     logits_idx: int = -1  # index in the current batch whose logits this slot samples
     batch_tokens: int = 0  # tokens this slot put in the current batch
+    # Sliding-window models: llama.cpp may have recycled the slot's own cells below this
+    # position (kv.memory.recycle_horizon of its longest length since it was last emptied).
+    swa_horizon: int = 0
 
     @property
     def n_past(self) -> int:
@@ -212,10 +216,16 @@ class SlotTable:
     two never disagree. Engine thread only."""
 
     def __init__(
-        self, slots: list[Slot], kv: KVCache, scratch: int | None = None, park_budget: int = 0
+        self,
+        slots: list[Slot],
+        kv: KVCache,
+        scratch: int | None = None,
+        park_budget: int = 0,
+        memory: Memory | None = None,
     ) -> None:
         self.slots = slots
         self.kv = kv
+        self.memory = memory or Memory("attention")
         # Keyed by (tenant, session id): the same id under two tenants is two sessions.
         self.session_slot: dict[tuple[str, str], int] = {}
         # Parking needs a spare sequence id (to save just a tail); None: never park.
@@ -304,16 +314,17 @@ class SlotTable:
     def slot_of(self, tenant: str, session_id: str | None) -> int | None:
         return self.session_slot.get((tenant, session_id)) if session_id else None
 
-    def session_tokens(self, session_id: str) -> tuple[int, list[int]] | None:
+    def session_tokens(self, session_id: str) -> tuple[int | None, list[int]] | None:
         """The slot and the tokens in KV of a known session (for pool snapshots, which the
         admin asks for: any tenant's session; the most recently used if several tenants use
-        the same id)."""
+        the same id). The slot is None when its cells cannot be shared as they are (a
+        sliding window recycled some): the tokens are then computed again."""
         holders = [s for s in self.slots if s.session_id == session_id]
         if not holders:
             return None
-        slot_id = max(holders, key=lambda s: s.last_used).slot_id
-        self.unpark(self.slots[slot_id])
-        return slot_id, list(self.slots[slot_id].cache_tokens)
+        slot = max(holders, key=lambda s: s.last_used)
+        self.unpark(slot)
+        return (slot.slot_id if self.intact(slot) else None), list(slot.cache_tokens)
 
     def forget_kv(self, slot: Slot) -> None:
         """Drop every cell of the slot's sequence; it holds nothing afterwards."""
@@ -322,6 +333,7 @@ class SlotTable:
         slot.parked = None
         slot.pool_id = None
         slot.shared_prefix = 0
+        slot.swa_horizon = 0
 
     def truncate(self, slot: Slot, n: int) -> None:
         """Keep the first ``n`` tokens of the slot's cache."""
@@ -332,6 +344,9 @@ class SlotTable:
         """``tokens`` were just decoded at the end of the slot's sequence."""
         self.kv.decoded(slot.slot_id, len(tokens))
         slot.cache_tokens.extend(tokens)
+        if self.memory.n_swa > 0:
+            horizon = recycle_horizon(len(slot.cache_tokens), self.memory.n_swa)
+            slot.swa_horizon = max(slot.swa_horizon, horizon)
 
     def shift(self, slot: Slot, n_keep: int, n_discard: int) -> None:
         """Context shift: drop [n_keep, n_keep + n_discard) and move the rest down."""
@@ -385,16 +400,28 @@ class SlotTable:
         cells); ``share``: automatic sharing may take other sequences' cells."""
         prompt = task.prompt
         residents = self.residents(task.tenant, slot, pool) if share else []
-        n_swa = self.kv.rt.info.n_swa
         return plan(
             prompt,
             slot.cache_tokens,
             reuse_cache=task.cache_prompt,
             pool=pool,
             residents=residents,
-            n_swa=n_swa,
-            window_start=self.kv.pos_min(slot.slot_id) if n_swa > 0 else 0,
+            exact_length=self.memory.exact_length,
+            n_swa=self.memory.n_swa,
+            horizon=slot.swa_horizon,
+            protected=self.protected(slot),
         )
+
+    def protected(self, slot: Slot) -> int:
+        """How many of the slot's first cells another sequence holds too (a pool's, or a
+        released pool's that another session still holds): llama.cpp never recycles those.
+        On a sliding-window model nothing else is shared, so they come first."""
+        return self.kv.model.private_from(slot.slot_id) if self.memory.n_swa > 0 else 0
+
+    def intact(self, slot: Slot) -> bool:
+        """Every cell of the slot's cache is still in llama.cpp (a sliding window recycles
+        its own cells that left it)."""
+        return slot.swa_horizon <= self.protected(slot)
 
     def apply_prefix(self, slot: Slot, plan: PrefixPlan, prompt: Sequence[int]) -> None:
         """Make the slot's cells and tokens what ``plan`` says: the pool's cells first, then
@@ -409,13 +436,13 @@ class SlotTable:
             # linked to its pool (admission counts it) and its private copy is freed.
             linked = self.kv.model.common_cells(slot.slot_id, plan.pool_seq)
             self.kv.rebase(plan.pool_seq, slot.slot_id, linked, plan.pool_p)
-        if plan.recycled_at:
-            log.info(
-                "slot %d: the sliding window before position %d was recycled; "
-                "reprocessing the prompt",
-                slot.slot_id,
-                plan.recycled_at,
+        if plan.dropped_at:
+            why = (
+                "a recurrent state cannot go back to position %d"
+                if self.memory.exact_length
+                else "the sliding window before position %d was recycled"
             )
+            log.info(f"slot %d: {why}; reprocessing the prompt", slot.slot_id, plan.dropped_at)
             self.forget_kv(slot)
         self.truncate(slot, plan.keep)
         if plan.share_seq >= 0:

@@ -2,18 +2,27 @@
 
 Every change to a sequence's cells goes through here, so ``KVModel`` (ownership accounting)
 can never drift from what llama.cpp holds. Engine thread only.
+
+Guards (sliding-window models): llama.cpp hands out a cell that one sequence alone holds
+once it has left that sequence's window. A pool's sequence has a guard sequence that holds
+exactly the same cells (its build tokens are decoded into both, ``guard_of``; every copy and
+removal here is applied to both), so no pool cell is ever held by one sequence alone. The
+shadow model does not list guards: a guard's cells are its pool's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from polykv_engine.kv.cells import KVModel
 from polykv_engine.llama.runtime import LlamaRuntime
 
 
 class KVCache:
-    def __init__(self, rt: LlamaRuntime) -> None:
+    def __init__(self, rt: LlamaRuntime, guards: Mapping[int, int] | None = None) -> None:
         self.rt = rt
         self.model = KVModel()
+        self._guards = dict(guards or {})  # guarded sequence -> its guard
         # Bumped by every change that can move a cell between owners (not by appends), so
         # derived figures such as reclaimable cells are recomputed only when needed.
         self.version = 0
@@ -21,10 +30,15 @@ class KVCache:
     def length(self, seq: int) -> int:
         return self.model.length(seq)
 
-    def pos_min(self, seq: int) -> int:
-        """The lowest position of ``seq`` llama.cpp still holds (a sliding-window model
-        recycles cells that left the window)."""
-        return self.rt.seq_pos_min(seq)
+    def guard_of(self, seq: int) -> int | None:
+        """The sequence that holds ``seq``'s cells too (decode its tokens into both)."""
+        return self._guards.get(seq)
+
+    def _rm(self, seq: int, p0: int, p1: int) -> None:
+        self.rt.seq_rm(seq, p0, p1)
+        guard = self._guards.get(seq)
+        if guard is not None:
+            self.rt.seq_rm(guard, p0, p1)
 
     def decoded(self, seq: int, n: int) -> None:
         """``n`` tokens were just decoded at the end of ``seq``."""
@@ -34,12 +48,12 @@ class KVCache:
         """Keep positions [0, pos) of ``seq``."""
         self.version += 1
         if self.model.length(seq) > pos:
-            self.rt.seq_rm(seq, pos, -1)
+            self._rm(seq, pos, -1)
             self.model.truncate(seq, pos)
 
     def clear(self, seq: int) -> None:
         self.version += 1
-        self.rt.seq_rm(seq, -1, -1)
+        self._rm(seq, -1, -1)
         self.model.clear(seq)
 
     def share(self, src: int, dst: int, p0: int, p1: int) -> None:
@@ -48,6 +62,9 @@ class KVCache:
         if p1 <= p0:
             return
         self.rt.seq_cp(src, dst, p0, p1)
+        guard = self._guards.get(dst)
+        if guard is not None:
+            self.rt.seq_cp(src, guard, p0, p1)
         self.model.copy(src, dst, p0, p1)
 
     def rebase(self, src: int, dst: int, p0: int, p1: int) -> None:

@@ -74,6 +74,14 @@ def window_cache_cells(n_ctx: int, n_swa: int, n_seq_max: int, n_ubatch: int, un
     return -(-cells // SWA_CACHE_PAD) * SWA_CACHE_PAD
 
 
+def swa_full_cost(
+    n_ctx: int, n_swa: int, n_seq_max: int, n_ubatch: int, unified: bool, swa_bytes_per_token: int
+) -> int:
+    """Bytes a full-size SWA cache takes beyond the window-sized one llama.cpp would make."""
+    window = window_cache_cells(n_ctx, n_swa, n_seq_max, n_ubatch, unified)
+    return max(0, n_ctx - window) * swa_bytes_per_token
+
+
 def recycle_horizon(length: int, n_swa: int) -> int:
     """Once a sequence is ``length`` tokens long, llama.cpp may hand out its cells below this
     position (those its next token no longer sees)."""

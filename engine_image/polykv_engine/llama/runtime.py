@@ -226,6 +226,9 @@ class RuntimeConfig:
     cache_type_v: str = "f16"
     repack: bool = True  # weights repacked into the CPU's fastest layout (--no-repack: off)
     swa_full: bool = False  # full-size sliding-window cache (llama-server's --swa-full)
+    # Sequences added after n_seq_max on a sliding-window model only (pools' guards, see
+    # kv.cache): other models would pay for sequences they never use.
+    guard_seqs: int = 0
 
 
 # KV cache element types and their ggml type ids.
@@ -398,10 +401,14 @@ class LlamaRuntime:
         self._stack.callback(C.llama_model_free, model)
         self._vocab = C.llama_model_get_vocab(model)
         self.info = self._read_info(path)
-        if cfg.n_seq_max > C.llama_max_parallel_sequences():
+        info = self.info
+        windowed = info.n_swa > 0 and not (info.is_recurrent or info.is_hybrid)
+        self.guard_seqs = cfg.guard_seqs if windowed else 0
+        n_seq_max = cfg.n_seq_max + self.guard_seqs
+        if n_seq_max > C.llama_max_parallel_sequences():
             self.close()
             raise LlamaError(
-                f"{cfg.n_seq_max} sequences requested; llama.cpp supports at most "
+                f"{n_seq_max} sequences requested; llama.cpp supports at most "
                 f"{C.llama_max_parallel_sequences()} (lower --parallel or --polykv-max-pools)"
             )
 
@@ -409,7 +416,7 @@ class LlamaRuntime:
         cparams.n_ctx = cfg.n_ctx
         cparams.n_batch = cfg.n_batch
         cparams.n_ubatch = min(cfg.n_ubatch, cfg.n_batch)
-        cparams.n_seq_max = cfg.n_seq_max
+        cparams.n_seq_max = n_seq_max
         self.n_threads = cfg.n_threads or budget().threads
         self.n_threads_batch = cfg.n_threads_batch or self.n_threads
         self.omp_wait = decide_once().policy

@@ -90,7 +90,7 @@ class PoolManager:
         seq_ids: range,
         bytes_per_token: int,
         grace_s: float,
-        session_tokens: Callable[[str], tuple[int, list[int]] | None],
+        session_tokens: Callable[[str], tuple[int | None, list[int]] | None],
         state_bytes: int = 0,
         extend_only: bool = False,
     ) -> None:
@@ -149,6 +149,7 @@ class PoolManager:
         return CreateResult(pool, True, self._waiter(build))
 
     def _prefix_tokens(self, spec: PoolSpec) -> tuple[list[int], int | None]:
+        """The prefix, and the slot whose cells already hold it (None: prefill it)."""
         if spec.tokens is not None:
             return spec.tokens, None
         assert spec.from_session is not None
@@ -215,7 +216,8 @@ class PoolManager:
             if n <= 0:
                 continue  # nothing of its own to prefill (L == D): after_decode finishes it
             chunk = pool.tokens[pool.n_materialized : pool.n_materialized + n]
-            batch.add_span(chunk, pool.n_materialized, pool.seq_id, logits_last=False)
+            guard = self.kv.guard_of(pool.seq_id)
+            batch.add_span(chunk, pool.n_materialized, pool.seq_id, False, guard)
             build.batch_tokens = n
             budget -= n
         return budget

@@ -13,7 +13,6 @@ from polykv_engine.core.prefix import (
     resident_prefix,
     reusable,
     waits_for_shared_prefix,
-    window_intact,
 )
 from polykv_engine.pools.tree import PoolError
 
@@ -80,16 +79,53 @@ def test_a_declared_prefix_still_leaves_the_last_token_to_compute() -> None:
 
 def test_a_recycled_sliding_window_drops_the_cache() -> None:
     cache = [*PROMPT[:8], 0, 0]
-    # 8 tokens kept, a window of 4: positions 4..7 must still be there.
-    assert window_intact(4, window_start=4, keep=8)
-    assert not window_intact(4, window_start=5, keep=8)
-    assert window_intact(0, window_start=100, keep=8)  # no sliding window
-    intact = plan(PROMPT, cache, reuse_cache=True, n_swa=4, window_start=4)
+    # 8 tokens kept, a window of 4: the token at 8 sees positions 5..7, which must be there.
+    intact = plan(PROMPT, cache, reuse_cache=True, n_swa=4, horizon=5)
     assert intact == PrefixPlan(keep=8, reuse=8)
-    recycled = plan(PROMPT, cache, reuse_cache=True, n_swa=4, window_start=5)
-    assert recycled == PrefixPlan(recycled_at=8, keep=0, reuse=0)
+    recycled = plan(PROMPT, cache, reuse_cache=True, n_swa=4, horizon=6)
+    assert recycled == PrefixPlan(dropped_at=8, keep=0, reuse=0)
+    # ... unless a guarded pool holds them too.
+    assert not plan(PROMPT, cache, reuse_cache=True, n_swa=4, horizon=6, protected=8).dropped_at
+    assert not plan(PROMPT, cache, reuse_cache=True, horizon=100).dropped_at  # no window
     # A cache that the prompt reuses whole is not cut, so its window is not in question.
-    assert not plan(PROMPT, PROMPT[:8], reuse_cache=True, n_swa=4, window_start=7).recycled_at
+    assert not plan(PROMPT, PROMPT[:8], reuse_cache=True, n_swa=4, horizon=8).dropped_at
+
+
+def test_a_fresh_attach_on_a_sliding_window_keeps_the_guarded_pool_cells() -> None:
+    got = plan(PROMPT, [1, 2, 3], reuse_cache=True, pool=pool(PROMPT[:6]), n_swa=2, horizon=9)
+    assert got == PrefixPlan(pool_seq=9, pool_p=6, pool_fresh=True, keep=6, reuse=6)
+
+
+def test_a_recurrent_model_attaches_at_exactly_the_pool_length() -> None:
+    exact = plan(PROMPT, [], reuse_cache=True, pool=pool(PROMPT[:6]), exact_length=True)
+    assert (exact.pool_p, exact.keep) == (6, 6)
+    declared = pool(PROMPT[:6], declared=6)
+    assert plan(PROMPT, [], reuse_cache=True, pool=declared, exact_length=True).pool_p == 6
+    refused = [
+        pool([*PROMPT[:4], 0, 0]),  # auto-P short of L: the prompt leaves the pool at 4
+        pool(PROMPT),  # the prompt is the pool's prefix: its last token would be cut off
+        pool(PROMPT[:6], declared=4),  # a declared P below L
+    ]
+    for p in refused:
+        with pytest.raises(PoolError) as e:
+            plan(PROMPT, [], reuse_cache=True, pool=p, exact_length=True)
+        assert (e.value.status, e.value.reason) == (409, "recurrent_attach")
+
+
+def test_a_recurrent_cache_is_reused_whole_or_not_at_all() -> None:
+    # A continuation keeps it; a prompt that leaves it (or repeats it: the last token would
+    # be cut off) starts over.
+    assert plan(PROMPT, PROMPT[:7], reuse_cache=True, exact_length=True).keep == 7
+    diverged = plan(PROMPT, [*PROMPT[:5], 0, 0], reuse_cache=True, exact_length=True)
+    assert (diverged.dropped_at, diverged.keep) == (5, 0)
+    assert plan(PROMPT, PROMPT, reuse_cache=True, exact_length=True).keep == 0
+    # A cache that holds the pool's tokens and goes on is kept as it is (never swapped
+    # for the pool's cells); one that diverged is replaced by the pool's.
+    kept = plan(PROMPT, PROMPT[:8], reuse_cache=True, pool=pool(PROMPT[:5]), exact_length=True)
+    assert kept == PrefixPlan(keep=8, reuse=8)
+    cache = [*PROMPT[:7], 0]
+    swapped = plan(PROMPT, cache, reuse_cache=True, pool=pool(PROMPT[:5]), exact_length=True)
+    assert (swapped.pool_fresh, swapped.pool_p, swapped.keep) == (True, 5, 5)
 
 
 def test_automatic_sharing_takes_the_longest_resident_prefix_beyond_the_cache() -> None:

@@ -26,7 +26,6 @@ from polykv_engine.http.auth import identity_of
 from polykv_engine.http.errors import ApiError
 from polykv_engine.http.metrics import PoolGauges
 from polykv_engine.ids import decimal
-from polykv_engine.kv.memory import Memory, window_cache_cells
 
 METRICS_REGISTRY = web.AppKey("metrics_registry", object)
 
@@ -47,16 +46,13 @@ async def health(request: web.Request) -> web.Response:
 def kv_memory(ctx: AppContext) -> KvMemory:
     rt = ctx.rt
     info = rt.info
-    memory = Memory.of(info.is_recurrent, info.is_hybrid, info.n_swa)
-    extra = 0
-    if rt.cfg.swa_full and info.n_swa > 0:
-        n_ubatch = min(rt.cfg.n_ubatch, rt.cfg.n_batch)
-        window = window_cache_cells(rt.n_ctx, info.n_swa, rt.n_seq_max, n_ubatch, rt.cfg.kv_unified)
-        extra = (rt.n_ctx - window) * rt.swa_bytes_per_token
+    memory = ctx.engine.memory
+    swa_full = rt.cfg.swa_full and info.n_swa > 0
+    extra = ctx.engine.swa_full_cost if swa_full else 0
     return KvMemory(
         kind=memory.kind,
         sliding_window=info.n_swa,
-        swa_full=rt.cfg.swa_full,
+        swa_full=swa_full,
         swa_full_extra_bytes=extra,
         recurrent_state_bytes=rt.state_bytes,
         pools=ctx.engine.pools_disabled_reason or memory.pools_summary(),
