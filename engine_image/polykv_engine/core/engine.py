@@ -300,9 +300,10 @@ class Engine:
             )
             log.warning("pools disabled: %s", self.pools_disabled_reason)
         elif self.memory.guarded:
+            # Against the window-sized cache the same -c and -np get without pools.
             n_ubatch = min(rcfg.n_ubatch, rcfg.n_batch)
             self.swa_full_cost = swa_full_cost(
-                rt.n_ctx, info.n_swa, rt.n_seq_max, n_ubatch, rcfg.kv_unified,
+                rt.n_ctx, info.n_swa, self.cfg.n_parallel, n_ubatch, rcfg.kv_unified,
                 rt.swa_bytes_per_token,
             )  # fmt: skip
             log.info(

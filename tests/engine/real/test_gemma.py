@@ -1,5 +1,6 @@
-"""A sliding-window model (Gemma 3, llama.cpp's iSWA cache): served, pools refused at boot
-with the reason, and prompt caching that never reuses a prefix whose window was recycled."""
+"""A sliding-window model (Gemma 3, llama.cpp's iSWA cache): pools held whole past the window
+(guard sequences, a full-size SWA cache) and equal to unpooled output, and prompt caching
+that never reuses a prefix whose window was recycled."""
 
 from __future__ import annotations
 
@@ -18,23 +19,69 @@ TEXT = (
 )
 
 
-def test_pools_are_refused_with_the_reason_and_text_is_served(gemma3: Path, tmp_path: Path) -> None:
-    eng = EngineProcess(gemma3, ["-np", "2", "-c", "4096"], log_path=tmp_path / "e.log")
+def test_pools_stay_whole_past_the_window_and_equal_unpooled(gemma3: Path, tmp_path: Path) -> None:
+    # Gemma 3 270M: a 512-token window in 15 of its 18 layers. A 640-token pool and a branch
+    # past the window; then a session that held the cache's first cells goes and another
+    # sweeps over the pools' cells: the guard sequences keep them.
+    # Without pools, a window-sized cache would hold 1536 cells (512 x 2 sessions + 512).
+    args = ["-np", "2", "-c", "16384", "-ctk", "f32", "-ctv", "f32", "-fa", "off"]
+    eng = EngineProcess(gemma3, args, log_path=tmp_path / "e.log")
     eng.start(timeout=180)
     try:
-        with httpx.Client(base_url=eng.base_url, timeout=120) as api:
-            r = api.post("/polykv/pools", json={"prompt": TEXT, "name": "g"})
-            assert r.status_code == 501
-            err = r.json()["error"]
-            assert err["reason"] == "pools_disabled" and "sliding-window" in err["message"]
-            r = api.post("/completion", json={"prompt": TEXT, "n_predict": 8, "temperature": 0})
-            assert r.status_code == 200 and r.json()["tokens_predicted"] == 8
-            attach = {"prompt": TEXT, "n_predict": 4, "pool_id": "g"}
-            assert api.post("/completion", json=attach).json()["error"]["reason"] in (
-                "pools_disabled",
-                "pool_not_found",
-            )
-        assert "pools disabled: this model uses sliding-window attention" in eng.log_tail(200)
+        with httpx.Client(base_url=eng.base_url, timeout=300) as api:
+
+            def tokens(text: str, special: bool = True) -> list[int]:
+                body = {"content": text, "add_special": special}
+                return list(api.post("/tokenize", json=body).json()["tokens"])
+
+            def greedy(prompt: list[int], n: int = 12, **extra: object) -> dict[str, object]:
+                body = {"prompt": prompt, "n_predict": n, "temperature": 0, **extra}
+                r = api.post("/completion", json=body)
+                assert r.status_code == 200, r.text
+                out: dict[str, object] = r.json()
+                return out
+
+            memory = api.get("/props").json()["polykv"]["memory"]
+            assert (memory["kind"], memory["sliding_window"]) == ("sliding_window", 512)
+            assert memory["swa_full"]
+            assert memory["swa_full_extra_bytes"] == (16384 - 1536) * 15 * 2 * 256 * 4
+            below = greedy(tokens(TEXT * 14)[:300], 4, session_id="below")
+            system = tokens(TEXT * 30)[:640]
+            tail = tokens(" Summarize it for a child:", special=False)
+            r = api.post("/polykv/pools", json={"tokens": system, "name": "g"})
+            assert r.status_code == 201, r.text
+            fork = {"tokens": system[:560] + tail, "name": "g-branch"}
+            assert api.post("/polykv/pools/g/fork", json=fork).status_code == 201
+            asks = {
+                "g": system + tail,
+                "g-branch": system[:560] + tail + tail,
+            }
+
+            def top(prompt: list[int], **extra: object) -> dict[int, float]:
+                """The next token's 5 most likely and their logprobs."""
+                got = greedy(prompt, 1, cache_prompt=False, n_probs=5, **extra)
+                if "pool_id" in extra:
+                    assert got["timings"]["cache_n"] >= 560  # type: ignore[index]
+                first = got["completion_probabilities"][0]  # type: ignore[index]
+                return {t["id"]: t["logprob"] for t in first["top_logprobs"]}
+
+            fresh = {k: top(v) for k, v in asks.items()}
+
+            def attach_all() -> None:
+                # Batch shapes move Gemma's logprobs by a few hundredths of a nat (the
+                # branch's first token is such a near-tie); holes in the window by whole ones.
+                for name, prompt in asks.items():
+                    pooled = top(prompt, pool_id=name)
+                    for tok, logprob in list(fresh[name].items())[:3]:
+                        assert abs(pooled.get(tok, -99.0) - logprob) < 0.25, (name, tok)
+
+            attach_all()
+            slot = below["id_slot"]
+            assert api.post(f"/slots/{slot}?action=erase").status_code == 200
+            # A session past the window, its tokens landing in the freed cells and on.
+            greedy(tokens(TEXT * 20)[:520], 48, ignore_eos=True)
+            attach_all()
+        assert "pools keep their cells with guard sequences" in eng.log_tail(400)
     finally:
         eng.stop()
 
