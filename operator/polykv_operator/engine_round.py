@@ -121,6 +121,13 @@ def rejected_reason(exc: EngineRejected, pod: str, name: str) -> RenderFailure:
             # prefix_mismatch on a fork: the tokens before the given branchPos differ from
             # the parent's (without a branchPos the engine computes one that fits).
             return RenderFailure("BranchPosInvalid", f"{msg}; lower spec.branchPos or omit it")
+        case "recurrent_branch":
+            return RenderFailure(
+                "RecurrentBranch",
+                f"{msg}; on this engine's model a child pool extends its parent: start its "
+                "prefix with the parent's whole prefix (and omit spec.branchPos), or make it "
+                "a root pool (drop spec.parent)",
+            )
         case "seq_ids_exhausted":
             return RenderFailure(
                 "EngineFull", f"replica {pod}: {msg}; raise the engine's spec.maxPools"

@@ -37,6 +37,7 @@ MISLEADING = "pool already exists, shares no tokens, branch_pos beyond, is taken
         ("branch_pos_invalid", "BranchPosInvalid"),
         ("prefix_mismatch", "BranchPosInvalid"),
         ("seq_ids_exhausted", "EngineFull"),
+        ("recurrent_branch", "RecurrentBranch"),
         ("prefix_empty", "PrefixRejected"),
         ("template_error", "PrefixRejected"),
     ],
