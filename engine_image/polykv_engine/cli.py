@@ -345,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--swa-full",
         action="store_true",
         default=bool(_env("SWA_FULL", "")),
-        help="sliding-window models: a full-size SWA cache (more memory, more prompt reuse)",
+        help="sliding-window models: a full-size SWA cache (more memory, more prompt reuse); "
+        "always on with pools (--polykv-max-pools > 0), which need every cell kept",
     )
     p.add_argument(
         "--no-repack",

@@ -179,9 +179,7 @@ def plan(
         keep = min(keep, pool_p)
     keep = reusable(prompt, keep)
     dropped_at = 0
-    if 0 < keep < len(cache) and (
-        exact_length or recycled_below(horizon, n_swa, keep, protected)
-    ):
+    if 0 < keep < len(cache) and (exact_length or recycled_below(horizon, n_swa, keep, protected)):
         dropped_at, keep = keep, 0
     share_seq, reuse = -1, keep
     if reuse_cache and residents:

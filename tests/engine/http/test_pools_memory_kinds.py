@@ -148,7 +148,7 @@ def test_swa_pools_equal_unpooled_and_stay_whole_as_the_cache_cycles(
     attach_all()  # the pools' cells were never handed out: still equal
     for name in ("br", "ext", "root"):  # a release frees the pool's cells and its guard's
         assert sc.delete(f"/polykv/pools/{name}").status_code == 200
-        lst = check_accounting(sc)
+        check_accounting(sc)
     for slot in sc.get("/slots").json():
         assert sc.post(f"/slots/{slot['id']}?action=erase").status_code == 200
     assert listing(sc)["kv_cells_measured"] == 0
