@@ -139,7 +139,11 @@ def timed_round(
 
 
 def llama_server_runs(
-    client: httpx.Client, binary: str, model: str, cfg: Config, rep: int, api: Api
+    client: httpx.Client,
+    binary: str,
+    model: str,
+    cfg: Config,
+    prompts: dict[str, list[list[int]]],
 ) -> dict[str, Any]:
     ls = H.ServerProcess(
         "llama-server-long",
@@ -152,9 +156,8 @@ def llama_server_runs(
     with H.server(ls):
         warm_up(client, ls.base_url)
         for rnd in ROUNDS:
-            prompts = agent_prompts(api, model, rep, cfg.prefix_tokens(model), rnd)
             n = cfg.answer_tokens if rnd == "cold" else cfg.decode_tokens
-            out[rnd] = timed_round(client, ls.base_url, prompts, n, None)
+            out[rnd] = timed_round(client, ls.base_url, prompts[rnd], n, None)
             H.progress(f"{model} llama-server {rnd}: first token {out[rnd]['ttft_median_s']:.1f} s")
     # Its slots share no cells: KV in use is what each slot holds after its last agent.
     held = {int(a["id_slot"]): int(a["tokens_cached"]) for a in out["resident"]["agents"]}
@@ -162,18 +165,20 @@ def llama_server_runs(
     return out
 
 
-def polykv_runs(api: Api, model: str, cfg: Config, rep: int) -> dict[str, Any]:
+def polykv_runs(
+    api: Api, model: str, cfg: Config, rep: int, prompts: dict[str, list[list[int]]]
+) -> dict[str, Any]:
     api.reset(AGENTS)
     out: dict[str, Any] = {"server": "polykv_pool"}
     pool = f"long-{rep}"
     for rnd in ROUNDS:
-        prompts = agent_prompts(api, model, rep, cfg.prefix_tokens(model), rnd)
         if rnd == "cold":
-            created, out["create_s"] = api.create_pool(pool, prompts[0][: cfg.prefix_tokens(model)])
+            prefix = prompts[rnd][0][: cfg.prefix_tokens(model)]
+            created, out["create_s"] = api.create_pool(pool, prefix)
             if created["prefix_len"] != cfg.prefix_tokens(model):
                 raise H.BenchError(f"pool prefix_len {created['prefix_len']}")
         n = cfg.answer_tokens if rnd == "cold" else cfg.decode_tokens
-        out[rnd] = timed_round(api.client, api.base_url, prompts, n, pool)
+        out[rnd] = timed_round(api.client, api.base_url, prompts[rnd], n, pool)
         if min(out[rnd]["cache_n"]) < cfg.prefix_tokens(model):
             raise H.BenchError(f"an agent prefilled the pool's prefix again: {out[rnd]['cache_n']}")
         H.progress(f"{model} PolyKV {rnd}: first token {out[rnd]['ttft_median_s']:.1f} s")
@@ -200,13 +205,15 @@ def measure(cfg: Config, binary: str) -> dict[str, Any]:
                 "memory": api.props().get("memory"),
             }
             for rep in range(cfg.reps):
+                n = cfg.prefix_tokens(model)
+                prompts = {rnd: agent_prompts(api, model, rep, n, rnd) for rnd in ROUNDS}
                 order = SERVERS if rep % 2 == 0 else SERVERS[::-1]
                 for key in order:
                     if key == "llama_server":
-                        with H.paused([api.pid]):
-                            run = llama_server_runs(client, binary, model, cfg, rep, api)
+                        with H.paused([api.pid]):  # the engine idles apart from the run
+                            run = llama_server_runs(client, binary, model, cfg, prompts)
                     else:
-                        run = polykv_runs(api, model, cfg, rep)
+                        run = polykv_runs(api, model, cfg, rep, prompts)
                     raw["runs"].append({"model": model, "rep": rep, **run})
     return raw
 
