@@ -40,6 +40,15 @@ def supported_types(kind: str, value: Any, allowed: tuple[str, ...], why: str = 
     return value
 
 
+def _stop_schema(schema: dict[str, Any]) -> None:
+    """``stop`` as clients send it: a list, one string or null (read as a list: the
+    validator below), so the published schema refuses nothing the engine accepts."""
+    array = {k: v for k, v in schema.items() if k != "title"}
+    one = {"type": "string", "maxLength": MAX_STOP_CHARS}
+    schema.clear()
+    schema.update({"title": "Stop", "anyOf": [array, one, {"type": "null"}]})
+
+
 class _Request(BaseModel):
     """An inference body: OpenAI clients send many fields we do not use, so unknown fields
     are accepted and reported back in ``X-PolyKV-Ignored-Fields`` (never dropped silently)."""
@@ -73,7 +82,7 @@ class SamplingFields(_Request):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] = Field(
-        default_factory=list, max_length=MAX_STOPS
+        default_factory=list, max_length=MAX_STOPS, json_schema_extra=_stop_schema
     )
     ignore_eos: bool = False
     stream: bool = False
