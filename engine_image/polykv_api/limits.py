@@ -33,7 +33,20 @@ MAX_SCHEMA_BYTES = 1 << 20  # one schema, as compact JSON
 MAX_SCHEMA_COUNT = 1_000_000
 MAX_GRAMMAR_BYTES = 4 << 20  # GBNF text, given or converted from a schema
 MAX_GRAMMAR_DEPTH = 256  # ( ... ) groups inside each other: llama.cpp's parser recurses
-MAX_GRAMMAR_RULES = 10_000  # rule definitions: its left-recursion check recurses through them
+# What llama.cpp builds from the text (llama/gbnf.py counts it first): every group and
+# repetition is a rule of its own ("a"{0,1999} is 1999), each element 8 bytes or more.
+MAX_GRAMMAR_RULES = 100_000
+MAX_GRAMMAR_ELEMENTS = 4_000_000
+# Rules each beginning with the next: llama.cpp recurses once per rule along such a chain
+# when it advances a parse, on the engine thread for every token.
+MAX_GRAMMAR_CHAIN = 10_000
+# Parse stacks: llama.cpp tries every candidate token against every stack (~0.5 ms a stack
+# at a 49k vocabulary, on the engine thread), and the duplicate check when they are made is
+# quadratic. FANOUT bounds what one step can open (checked on the text), STACKS what a
+# request may hold while it decodes (checked after every token: an ambiguous grammar can
+# double them every token). 128 tools or an enum of 250 values stay within both.
+MAX_GRAMMAR_FANOUT = 256
+MAX_GRAMMAR_STACKS = 256
 
 # The default body limit: generous bytes per context token (JSON-escaped non-ASCII text
 # takes up to 12 bytes a character) plus room for tools, schemas and message framing.

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from polykv_api.limits import MAX_GRAMMAR_STACKS
 from polykv_api.models import Reason
 from polykv_engine.core.prefix import AttachedPool, waits_for_shared_prefix
 from polykv_engine.core.scheduler import (
@@ -537,7 +538,8 @@ class Engine:
             task.shared_prefix = shared
         slot.shared_prefix = task.shared_prefix if slot.pool_id is not None else 0
         sampling = task.sampling.resolved()
-        slot.sampler = self.rt.new_sampler(sampling)
+        slot.sampler = self.rt.new_sampler(sampling, task.grammar)
+        task.grammar = None  # the chain owns it now
         if sampling.has_penalties:
             n = sampling.repeat_last_n
             for tok in task.prompt[-n:] if n > 0 else task.prompt:
@@ -762,6 +764,14 @@ class Engine:
             self._finish(slot, "limit")  # prompt processing only (e.g. to warm a cache)
             return
         tok = slot.sampler.sample(self.rt.ctx, slot.logits_idx)
+        stacks = slot.sampler.grammar_stacks()
+        if stacks > MAX_GRAMMAR_STACKS:  # an ambiguous grammar: they can double every token
+            msg = (
+                f"grammar: {stacks} parse stacks after {len(slot.generated) + 1} tokens, the "
+                f"limit is {MAX_GRAMMAR_STACKS} (alternatives that match the same text)"
+            )
+            self._fail_slot(slot, 400, "invalid_request_error", "grammar_too_large", msg)
+            return
         slot.rate.on_token(now)
         stop = task.stop
         slot.generated.append(tok)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from polykv_api.models import PoolRef, Reason
+from polykv_engine.llama.grammar import CompiledGrammar
 from polykv_engine.llama.runtime import TokenLogprobs
 from polykv_engine.llama.sampling import SamplingParams, StopParams
 
@@ -91,6 +92,7 @@ class GenerateTask:
     sampling: SamplingParams
     stop: StopParams
     sink: EventSink
+    grammar: CompiledGrammar | None = None  # sampling.grammar, parsed off the engine thread
     session_id: str | None = None
     # Opaque, from the auth middleware: sessions, prompt caches and automatic prefix sharing
     # never cross tenants (the same session id under two tenants is two sessions).

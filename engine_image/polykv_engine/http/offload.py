@@ -4,7 +4,10 @@ keep being answered while a 30 MiB body is tokenized.
 
 The threads get a large stack of their own (``threading.stack_size`` at creation): llama.cpp's
 GBNF parser and Jinja recurse, and a deep input must end in a refusal, never a stack
-overflow. Work for a small request stays inline: handing it over costs more than doing it.
+overflow. Work for a small request stays inline: handing it over costs more than doing it;
+but a grammar always goes to a worker, however small its text (what llama.cpp builds from a
+few hundred bytes can take it a while: the bounds keep that well under a second, and it is
+not the event loop's to wait).
 """
 
 from __future__ import annotations
@@ -79,10 +82,12 @@ class LargeStackExecutor(concurrent.futures.Executor):
 WORKER = web.AppKey("polykv_offload", LargeStackExecutor)
 
 
-async def offload(request: web.Request, size: int, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on a worker thread when the request is large (``size`` bytes), inline
-    otherwise; its result or exception either way."""
-    if size <= INLINE_BYTES:
+async def offload(
+    request: web.Request, size: int, fn: Callable[..., T], *args: Any, inline: bool = True
+) -> T:
+    """``fn(*args)`` on a worker thread when the request is large (``size`` bytes) or may
+    not run inline, inline otherwise; its result or exception either way."""
+    if inline and size <= INLINE_BYTES:
         return fn(*args)
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(request.app[WORKER], fn, *args)

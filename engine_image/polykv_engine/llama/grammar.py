@@ -1,5 +1,9 @@
-"""Grammars for constrained sampling: GBNF text, JSON Schema converted to GBNF, and a check
-that llama.cpp accepts a grammar before a request is queued.
+"""Grammars for constrained sampling: GBNF text, JSON Schema converted to GBNF, its bounds
+checked, and llama.cpp's grammar sampler built from it before a request is queued.
+
+The sampler is built once, off the engine thread (parsing 4 MiB of GBNF takes llama.cpp
+~170 ms), and the slot's sampler chain takes it over: the engine thread never parses a
+grammar, so decoding sessions never wait on one.
 
 The converter is llama-cpp-python's port of llama.cpp's own ``json_schema_to_grammar``, so
 schemas mean here what they mean to llama-server.
@@ -8,9 +12,11 @@ schemas mean here what they mean to llama-server.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import math
 import re
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +25,16 @@ import llama_cpp.llama_cpp as C
 from llama_cpp import llama_grammar
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
-from polykv_api.limits import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_DEPTH, MAX_GRAMMAR_RULES
+from polykv_api.limits import (
+    MAX_GRAMMAR_BYTES,
+    MAX_GRAMMAR_CHAIN,
+    MAX_GRAMMAR_DEPTH,
+    MAX_GRAMMAR_ELEMENTS,
+    MAX_GRAMMAR_FANOUT,
+    MAX_GRAMMAR_RULES,
+)
 from polykv_api.models import Reason
+from polykv_engine.llama.gbnf import GbnfError, GbnfTooLarge, shape
 from polykv_engine.llama.repetition import repetition
 from polykv_engine.llama.schema_bounds import SchemaBoundError, check_schema
 
@@ -67,16 +81,25 @@ _UNENFORCEABLE = {
     "minContains", "maxContains", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
 }  # fmt: skip
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-_MARK = "__polykv_int_range_{}__"
+_MARK = "__polykv_rule_{}__"
+
+# Rules written here rather than by the converter, one list of GBNF rules per marker (the
+# first rule is the one the marker stands for).
+Written = list[list[str]]
 
 
-def _prepare(node: Any, path: str, ranges: list[tuple[int | None, int | None]]) -> Any:
-    """A copy of the schema the converter can take: integer bounds replaced by markers
-    (turned into range rules afterwards), unenforceable keywords refused by path."""
+def _prepare(node: Any, path: str, written: Written) -> Any:
+    """A copy of the schema the converter can take: integer bounds and enums replaced by
+    markers (turned into rules of our own afterwards), unenforceable keywords refused by
+    path. Values (``enum``, ``const``) are data: never read as schema."""
     if isinstance(node, list):
-        return [_prepare(v, f"{path}[{i}]", ranges) for i, v in enumerate(node)]
+        return [_prepare(v, f"{path}[{i}]", written) for i, v in enumerate(node)]
     if not isinstance(node, dict):
         return node
+    if "enum" in node and "const" not in node and isinstance(node["enum"], list):
+        name = f"enum-{len(written)}"
+        written.append(enum_rules(name, [json.dumps(v) for v in node["enum"]]))
+        return {"const": _MARK.format(len(written) - 1)}
     bad = sorted(_UNENFORCEABLE & node.keys())
     if bad:
         raise GrammarError(f"json_schema{path}: {', '.join(bad)} cannot be enforced by a grammar")
@@ -92,9 +115,49 @@ def _prepare(node: Any, path: str, ranges: list[tuple[int | None, int | None]]) 
         hi = None if hi is None else math.floor(hi)
         if lo is not None and hi is not None and lo > hi:
             raise GrammarError(f"json_schema{path}: no integer lies in [{lo}, {hi}]")
-        ranges.append((lo, hi))
-        return {"const": _MARK.format(len(ranges) - 1)}
-    return {k: _prepare(v, f"{path}.{k}", ranges) for k, v in node.items()}
+        written.append([f"int-range-{len(written)} ::= ({int_range(lo, hi)}) space"])
+        return {"const": _MARK.format(len(written) - 1)}
+    return {
+        k: v if k in ("const", "enum") else _prepare(v, f"{path}.{k}", written)
+        for k, v in node.items()
+    }
+
+
+def _literal(text: str) -> str:
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + escaped.replace("\n", "\\n").replace("\r", "\\r") + '"'
+
+
+def enum_rules(name: str, texts: list[str]) -> list[str]:
+    """GBNF rules, the first named ``name``, matching exactly ``texts`` (and a space): a
+    trie, so the alternatives open at any point begin with different characters. llama.cpp
+    keeps a parse stack per alternative it could be in; written one alternative per value,
+    an enum of 1000 strings (all beginning with a quote) would hold 1000 of them, and every
+    token would be tried against each."""
+    rules: list[str] = []
+    work = [(name, sorted(set(texts)))]
+    while work:
+        rule, group = work.pop()
+        first, last = group[0], group[-1]  # sorted: their common prefix is everyone's
+        n = 0
+        while n < min(len(first), len(last)) and first[n] == last[n]:
+            n += 1
+        prefix = first[:n]
+        rests = [t[n:] for t in group]
+        alternatives = ['""'] if "" in rests else []
+        for _, members in itertools.groupby((r for r in rests if r), key=lambda r: r[0]):
+            tails = list(members)
+            if len(tails) == 1:
+                alternatives.append(_literal(tails[0]))
+            else:
+                child = f"{name}-{len(rules) + len(work) + 1}"
+                work.append((child, tails))
+                alternatives.append(child)
+        body = " | ".join(alternatives)
+        head = f"{_literal(prefix)} " if prefix else ""
+        tail = " space" if rule == name else ""
+        rules.append(f"{rule} ::= {head}({body}){tail}")
+    return rules
 
 
 # Keywords that only annotate. A subschema made of these alone ({"description": ...})
@@ -184,14 +247,14 @@ def from_schema(schema: Mapping[str, Any]) -> str:
         check_schema(schema)
     except SchemaBoundError as exc:
         raise GrammarError(f"json_schema{exc}", reason="schema_too_large") from exc
-    ranges: list[tuple[int | None, int | None]] = []
-    prepared = _prepare(_open_schemas(schema), "", ranges)
+    written: Written = []
+    prepared = _prepare(_open_schemas(schema), "", written)
     try:
         gbnf = _CHAR_RULE.sub(lambda _: _JSON_CHAR, str(json_schema_to_gbnf(json.dumps(prepared))))
-        for i, (lo, hi) in enumerate(ranges):
+        for i, rules in enumerate(written):
             literal = json.dumps(json.dumps(_MARK.format(i)))  # how the converter wrote it
-            gbnf = gbnf.replace(literal, f"int-range-{i}")
-            gbnf += f"\nint-range-{i} ::= ({int_range(lo, hi)}) space"
+            gbnf = gbnf.replace(literal, rules[0].split(" ", 1)[0])
+            gbnf += "".join(f"\n{rule}" for rule in rules)
         return gbnf
     except (ValueError, KeyError, TypeError, AssertionError, RecursionError) as exc:
         raise GrammarError(f"json_schema: cannot be turned into a grammar: {exc}") from exc
@@ -220,8 +283,10 @@ def _depth(syntax: str) -> int:
 
 
 def check_bounds(grammar: Grammar) -> None:
-    """Refuse a grammar llama.cpp's recursive parser could not take (its stack) or that is
-    bigger than any the engine serves; checked before llama.cpp sees the text."""
+    """Refuse a grammar llama.cpp's recursive parser could not take (its stack), that would
+    make it allocate or search more than any the engine serves, or that it would refuse
+    anyway; checked before llama.cpp sees the text (``llama/gbnf.py`` reads it as llama.cpp
+    will)."""
     size = len(grammar.gbnf.encode())
     if size > MAX_GRAMMAR_BYTES:
         raise GrammarError(
@@ -229,19 +294,29 @@ def check_bounds(grammar: Grammar) -> None:
         )
     if "\x00" in grammar.gbnf:  # llama.cpp reads a C string: it would parse only a part
         raise GrammarError("GBNF holds a NUL character")
-    syntax = _NOT_GROUPS.sub("", grammar.gbnf)
-    depth = _depth(syntax)
+    depth = group_depth(grammar.gbnf)  # first: the shape's parser recurses per group too
     if depth > MAX_GRAMMAR_DEPTH:
         raise GrammarError(
             f"groups nest {depth} deep, the limit is {MAX_GRAMMAR_DEPTH}",
             reason="grammar_too_large",
         )
-    # llama.cpp's left-recursion check also recurses, from rule to rule: a chain of rules
-    # each starting with the next is as deep as the rules are many.
-    rules = syntax.count("::=")
-    if rules > MAX_GRAMMAR_RULES:
+    try:
+        found = shape(grammar.gbnf, MAX_GRAMMAR_RULES, MAX_GRAMMAR_ELEMENTS)
+    except GbnfTooLarge as exc:
+        raise GrammarError(str(exc), reason="grammar_too_large") from exc
+    except GbnfError as exc:
+        raise GrammarError(f"not a grammar llama.cpp can parse: {exc}") from exc
+    if found.chain > MAX_GRAMMAR_CHAIN:
         raise GrammarError(
-            f"{rules} rules, the limit is {MAX_GRAMMAR_RULES}", reason="grammar_too_large"
+            f"{found.chain} rules each begin with the next, the limit is {MAX_GRAMMAR_CHAIN}",
+            reason="grammar_too_large",
+        )
+    if found.fanout > MAX_GRAMMAR_FANOUT:
+        shown = f"{found.fanout}" if found.fanout < 1 << 40 else "more than 2**40"
+        raise GrammarError(
+            f"one step can open {shown} parse stacks (alternatives reachable at once), the "
+            f"limit is {MAX_GRAMMAR_FANOUT}",
+            reason="grammar_too_large",
         )
 
 
@@ -261,7 +336,67 @@ def sampler(vocab: Any, grammar: Grammar) -> Any:
     return smpl
 
 
-def check(vocab: Any, grammar: Grammar) -> None:
-    """Raise GrammarError unless ``grammar`` is within the bounds and llama.cpp parses it."""
-    check_bounds(grammar)
-    C.llama_sampler_free(sampler(vocab, grammar))
+class CompiledGrammar:
+    """A grammar within the bounds, parsed by llama.cpp into a sampler: built on whatever
+    thread prepares the request, then taken over by one slot's sampler chain. Freed here if
+    no slot ever takes it (a request refused or cancelled before it reached one)."""
+
+    def __init__(self, vocab: Any, grammar: Grammar) -> None:
+        check_bounds(grammar)
+        self.grammar = grammar
+        self._ptr = sampler(vocab, grammar)
+        self._owned = weakref.finalize(self, C.llama_sampler_free, self._ptr)
+
+    def take(self) -> Any:
+        """The llama.cpp sampler, for a chain that frees it; once."""
+        if not self._owned.alive:
+            raise RuntimeError("this grammar's sampler was taken already")
+        self._owned.detach()
+        return self._ptr
+
+
+# llama.cpp keeps a grammar's parse stacks in its struct llama_grammar, which the API does
+# not expose. They are read at their offsets in this build (x86-64, libstdc++: a pointer 8
+# bytes, a std::string 32, a std::vector 24): llama_sampler {iface, ctx};
+# llama_sampler_grammar {vocab, grammar_str, grammar_root, grammar*};
+# llama_grammar {vocab, rules, stacks, ...}. ``layout_ok`` checks them on known grammars
+# before any request relies on them.
+_GRAMMAR_AT = 8 + 32 + 32
+_RULES_AT = 8
+_STACKS_AT = 8 + 24
+_VECTOR = 24
+
+
+def _vector_len(addr: int, item_bytes: int) -> int:
+    begin, end = ctypes.cast(addr, ctypes.POINTER(ctypes.c_size_t))[0:2]
+    return int(end - begin) // item_bytes
+
+
+def _grammar_of(smpl: Any) -> int:
+    ctx = ctypes.cast(smpl, ctypes.POINTER(ctypes.c_void_p))[1]
+    return int(ctypes.cast(ctx + _GRAMMAR_AT, ctypes.POINTER(ctypes.c_size_t))[0]) if ctx else 0
+
+
+def parse_stacks(smpl: Any) -> int:
+    """How many parse stacks a grammar sampler holds now (0 for a lazy grammar that has
+    not been triggered yet). Only after ``layout_ok``."""
+    grammar = _grammar_of(smpl)
+    return _vector_len(grammar + _STACKS_AT, _VECTOR) if grammar else 0
+
+
+def layout_ok(vocab: Any) -> bool:
+    """Whether ``parse_stacks`` reads this build right: known grammars, known counts."""
+    for gbnf, rules, stacks in (
+        ('root ::= "a" | "b" | "c"', 1, 3),
+        ('root ::= x "y"\nx ::= "x"', 2, 1),
+    ):
+        smpl = sampler(vocab, Grammar(gbnf))
+        try:
+            grammar = _grammar_of(smpl)
+            if not grammar or _vector_len(grammar + _RULES_AT, _VECTOR) != rules:
+                return False
+            if parse_stacks(smpl) != stacks:
+                return False
+        finally:
+            C.llama_sampler_free(smpl)
+    return True

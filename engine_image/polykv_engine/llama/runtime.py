@@ -41,9 +41,7 @@ decide_once()
 import llama_cpp.llama_cpp as C
 import numpy as np
 
-from polykv_engine.llama.grammar import Grammar, GrammarError
-from polykv_engine.llama.grammar import check as check_grammar
-from polykv_engine.llama.grammar import sampler as grammar_sampler
+from polykv_engine.llama.grammar import CompiledGrammar, Grammar, layout_ok, parse_stacks
 from polykv_engine.llama.sampling import SamplingParams
 
 log = logging.getLogger("polykv.llama")
@@ -314,9 +312,19 @@ class Sampler:
     """A llama.cpp sampler chain for one request; free it when the request ends.
 
     A grammar, when given, comes first: it removes every token that cannot continue a valid
-    output, and the usual samplers choose among the rest (llama.cpp's chain order)."""
+    output, and the usual samplers choose among the rest (llama.cpp's chain order). It
+    comes compiled (``CompiledGrammar``, built off the engine thread); the chain takes it
+    over. ``count_stacks``: whether ``grammar_stacks`` may read llama.cpp's parse stacks."""
 
-    def __init__(self, params: SamplingParams, n_vocab: int, vocab: Any) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        n_vocab: int,
+        grammar: CompiledGrammar | None = None,
+        count_stacks: bool = False,
+    ) -> None:
+        if (grammar is None) != (params.grammar is None):
+            raise ValueError("a grammar comes compiled, off the engine thread, or not at all")
         # Plain greedy is an argmax over the logits: llama_sampler_sample would first copy
         # every logit into a candidate array (34 us at a 49k vocabulary, 4 us for the argmax;
         # both take the first of equal maxima).
@@ -329,13 +337,13 @@ class Sampler:
             raise LlamaError("llama_sampler_chain_init failed")
         self._chain: ctypes.c_void_p | None = chain
         self._penalties: ctypes.c_void_p | None = None
+        self._grammar: Any = None
         add = C.llama_sampler_chain_add
-        if params.grammar is not None:
-            try:
-                add(chain, grammar_sampler(vocab, params.grammar))
-            except GrammarError:
-                self.free()
-                raise
+        if grammar is not None:
+            self._grammar = grammar.take()
+            add(chain, self._grammar)
+            if not count_stacks:
+                self._grammar = None
         if params.has_penalties:
             self._penalties = C.llama_sampler_init_penalties(
                 n_vocab,
@@ -369,10 +377,15 @@ class Sampler:
             return int(np.frombuffer(row, dtype=np.float32).argmax())
         return int(C.llama_sampler_sample(self._chain, ctx, idx))
 
+    def grammar_stacks(self) -> int:
+        """The grammar's parse stacks now (0 without a grammar, or when not counted)."""
+        return parse_stacks(self._grammar) if self._grammar is not None else 0
+
     def free(self) -> None:
         if self._chain is not None:
-            C.llama_sampler_free(self._chain)
+            C.llama_sampler_free(self._chain)  # and the grammar sampler it took over
             self._chain = None
+            self._grammar = None
 
 
 class LlamaRuntime:
@@ -401,6 +414,12 @@ class LlamaRuntime:
         self._stack.callback(C.llama_model_free, model)
         self._vocab = C.llama_model_get_vocab(model)
         self.info = self._read_info(path)
+        self.counts_grammar_stacks = layout_ok(self._vocab)
+        if not self.counts_grammar_stacks:
+            log.warning(
+                "this llama.cpp build keeps grammar parse stacks where the engine does not "
+                "look: their number is not bounded while requests decode"
+            )
         info = self.info
         windowed = info.n_swa > 0 and not (info.is_recurrent or info.is_hybrid)
         self.guard_seqs = cfg.guard_seqs if windowed else 0
@@ -518,6 +537,12 @@ class LlamaRuntime:
 
     # ------------------------------------------------------------------ vocabulary (any thread)
 
+    def compile_grammar(self, grammar: Grammar) -> CompiledGrammar:
+        """The grammar, within the bounds and parsed by llama.cpp (GrammarError otherwise).
+        Any thread but the engine's: it only reads the vocabulary, and a large grammar
+        takes llama.cpp a while."""
+        return CompiledGrammar(self._vocab, grammar)
+
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         data = text.encode("utf-8")
         cap = len(data) + 8
@@ -556,13 +581,8 @@ class LlamaRuntime:
         self._stack.callback(batch.free)
         return batch
 
-    def new_sampler(self, params: SamplingParams) -> Sampler:
-        return Sampler(params, self.info.n_vocab, self._vocab)
-
-    def check_grammar(self, grammar: Grammar) -> None:
-        """Raise GrammarError unless llama.cpp accepts it (safe from any thread: it only
-        reads the vocabulary)."""
-        check_grammar(self._vocab, grammar)
+    def new_sampler(self, params: SamplingParams, grammar: CompiledGrammar | None) -> Sampler:
+        return Sampler(params, self.info.n_vocab, grammar, self.counts_grammar_stacks)
 
     def logits(self, idx: int) -> np.ndarray:
         """The raw logits at batch index ``idx``: a view into llama.cpp's buffer, valid until

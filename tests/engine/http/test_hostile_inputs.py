@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field
 from polykv_api.limits import (
     INT32_MAX,
     MAX_GRAMMAR_DEPTH,
+    MAX_GRAMMAR_STACKS,
     MAX_JSON_DEPTH,
     MAX_SCHEMA_COUNT,
     MAX_STOP_CHARS,
@@ -203,6 +204,19 @@ def test_max_length_100000_is_served_and_constrains_the_output(
         assert isinstance(json.loads(content), str)
 
 
+def test_an_enum_of_1000_values_is_served_and_constrains_the_output(
+    hostile: EngineProcess, canary: Canary
+) -> None:
+    """One alternative per value would hold 1000 parse stacks, past the bound: the enum is
+    written as a trie, whose alternatives at any point begin with different characters."""
+    values = [f"value-{i}" for i in range(1000)]
+    out = post(hostile, canary, "/v1/chat/completions", chat({"enum": values}, max_tokens=24))
+    assert out.status == 200, out.body[:300]
+    choice = out.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert json.loads(choice["message"]["content"]) in values
+
+
 def test_counts_past_the_repetition_cap_are_exact(hostile: EngineProcess, canary: Canary) -> None:
     """llama.cpp reads a maximum over 2000 as none; chunks keep 1001..1003 exact."""
     schema = {"type": "string", "minLength": 1001, "maxLength": 1003}
@@ -219,6 +233,67 @@ def test_a_grammar_nested_20000_deep_is_refused(hostile: EngineProcess, canary: 
     assert (out.status, out.reason()) == (400, "grammar_too_large")
     message = out.json()["error"]["message"]
     assert message.startswith("grammar:") and f"the limit is {MAX_GRAMMAR_DEPTH}" in message
+
+
+def binary_rules(levels: int, first: str = "") -> str:
+    """r0 ::= r1 "1" | r1 "2", ``levels`` deep: 2**levels parse stacks at once."""
+    rules = [f'r{i} ::= r{i + 1} "1" | r{i + 1} "2"' for i in range(levels)]
+    return "\n".join([*rules, f'r{levels} ::= "a"', f"root ::= {first}r0"])
+
+
+def alternatives(n: int) -> str:
+    return "root ::= " + " | ".join(f'"w{i}"' for i in range(n))
+
+
+# Each made llama.cpp stall (or allocate without end) before any count of the text passed
+# a bound: what they would build is counted first now.
+COSTLY = {
+    # 437 bytes, 2**17 stacks at the start: 232 s of llama.cpp's setup, on the event loop
+    # (the body was small enough to stay inline) and again on the engine thread
+    "binary-17": (binary_rules(17), "open 131072 parse stacks"),
+    # the same, opened only after a first character: on the engine thread, mid-decode
+    "binary-17-after-x": (binary_rules(17, first='"x" '), "open 131072 parse stacks"),
+    # 4 MiB of alternatives: 400 s to set up, then minutes per token
+    "alternatives-350k": (alternatives(350_000), "open 350000 parse stacks"),
+    # 12 KB that expands to two million rules (7.9 s and 440 MB; 4 MiB of it: ~150 GB)
+    "repetitions-1000": ("root ::= " + '"a"{0,1999} ' * 1000, "more than 100000 rules"),
+    # a maximum below the minimum: llama.cpp makes rules until memory runs out
+    "min-above-max": ('root ::= "a"{3,1}', "below its minimum"),
+    # 0.5 ms per stack per token, for every session
+    "optional-300": ("root ::= " + '"x"? ' * 300 + '"a"', "open 301 parse stacks"),
+}
+
+
+@pytest.mark.parametrize("name", list(COSTLY))
+def test_grammars_are_refused_by_what_llama_cpp_would_build_from_them(
+    hostile: EngineProcess, canary: Canary, name: str
+) -> None:
+    grammar, message = COSTLY[name]
+    out = post(hostile, canary, "/completion", {"prompt": "x", "grammar": grammar})
+    assert out.status == 400, out.body[:300]
+    assert out.reason() in ("grammar_too_large", "invalid_request")
+    assert out.json()["error"]["message"].startswith("grammar:")
+    assert message in out.json()["error"]["message"]
+
+
+def test_an_ambiguous_grammar_ends_when_its_parse_stacks_pass_the_bound(
+    hostile: EngineProcess, canary: Canary
+) -> None:
+    """Only runs of "a" match, and every "a" doubles the stacks (either closing letter stays
+    possible): 2, 4, 8, ... Before, the 64 tokens asked for would have needed 2**64."""
+    grammar = 'root ::= y\ny ::= "a" y "c" | "a" y "d"'
+    body = {"prompt": "x", "grammar": grammar, "n_predict": 64, "temperature": 0}
+    out = post(hostile, canary, "/completion", body)
+    assert (out.status, out.reason()) == (400, "grammar_too_large"), out.body[:300]
+    assert f"the limit is {MAX_GRAMMAR_STACKS}" in out.json()["error"]["message"]
+    # streamed: the tokens so far, then the error event
+    r = httpx.post(f"{hostile.base_url}/completion", json={**body, "stream": True}, timeout=300)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events and all("content" in e for e in events[:-1]), r.text[:500]
+    assert events[-1]["error"]["reason"] == "grammar_too_large", events[-1]
+    # the slot is free again: the next request decodes
+    ok = httpx.post(f"{hostile.base_url}/completion", json={"prompt": "x", "n_predict": 2})
+    assert ok.status_code == 200, ok.text
 
 
 def test_a_tool_parameter_schema_with_a_large_max_length_is_served(
@@ -457,7 +532,9 @@ def corpus() -> Iterator[Any]:
             if field == "n_predict":
                 body["n_predict"] = value
             yield pytest.param("/completion", body, id=f"{field}={value:g}")
-    yield pytest.param("/completion", {"prompt": "x", "logit_bias": {"1": 1e308}}, id="logit-bias")
+    # Served cases ask for a few tokens: filling the 4k context took > 300 s at a load of 15
+    yield pytest.param("/completion", {"prompt": "x", "logit_bias": {"1": 1e308}, "n_predict": 4},
+                       id="logit-bias")  # fmt: skip
     yield pytest.param("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2**40,
         "n": 2**40, "max_tokens": 2**40,
@@ -478,9 +555,10 @@ def corpus() -> Iterator[Any]:
             ("\u202e\u200b\ufeff", "bidi"),
             ("\U0001f600", "emoji"),
         ):
-            yield pytest.param(route, {key: text}, id=f"{route}-{label}")
+            body = {key: text, **({"n_predict": 4} if route == "/completion" else {})}
+            yield pytest.param(route, body, id=f"{route}-{label}")
     yield pytest.param("/v1/chat/completions", {"messages": [
-        {"role": "user\x00", "content": "x"}]}, id="role-nul")  # fmt: skip
+        {"role": "user\x00", "content": "x"}], "max_tokens": 4}, id="role-nul")  # fmt: skip
     yield pytest.param("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
         "tools": [{"type": "function", "function": {"name": 'a"\x00\\\u2028b', "parameters": {}}}],

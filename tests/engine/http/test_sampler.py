@@ -15,7 +15,7 @@ def test_the_greedy_argmax_matches_llama_cpps_greedy_sampler(test_model: Path) -
     rt = LlamaRuntime(RuntimeConfig(test_model, n_ctx=1024, n_seq_max=4))
     chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
     C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
-    fast = rt.new_sampler(SamplingParams(temperature=0.0))
+    fast = rt.new_sampler(SamplingParams(temperature=0.0), None)
     try:
         assert fast._logits_type is not None  # the argmax path is the one under test
         prompts = ["The quick brown fox", "def f(x):", "Shared prefixes", "A"]
@@ -44,7 +44,7 @@ def test_constrained_or_penalized_greedy_keeps_llama_cpps_chain(test_model: Path
             SamplingParams(temperature=0.0, repeat_penalty=1.3),
             SamplingParams(temperature=0.7),
         ):
-            s = rt.new_sampler(params)
+            s = rt.new_sampler(params, None)
             assert s._logits_type is None
             s.free()
     finally:

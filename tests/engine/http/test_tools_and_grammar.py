@@ -312,6 +312,6 @@ def test_every_familys_grammars_are_accepted_by_llama_cpp(fmt: str, test_model: 
                 p = plan(fmt, [WEATHER, TIME], choice, parallel)  # type: ignore[arg-type]
                 assert p is not None
                 if p.grammar is not None:
-                    rt.check_grammar(p.grammar)
+                    rt.compile_grammar(p.grammar)
     finally:
         rt.close()

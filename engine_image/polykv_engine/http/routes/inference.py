@@ -51,7 +51,7 @@ from polykv_engine.http.offload import offload
 from polykv_engine.http.responses import Logprobs, ResponseBuilder
 from polykv_engine.http.sse import Wire, frame
 from polykv_engine.ids import decimal
-from polykv_engine.llama.grammar import ANY_JSON_OBJECT, Grammar, GrammarError
+from polykv_engine.llama.grammar import ANY_JSON_OBJECT, CompiledGrammar, Grammar, GrammarError
 from polykv_engine.llama.grammar import from_schema as grammar_from_schema
 from polykv_engine.llama.sampling import SamplingParams, StopParams
 
@@ -141,15 +141,16 @@ def _sampling(req: SamplingFields, grammar: Grammar | None, repeat_last_n: int) 
     )
 
 
-def _checked(ctx: AppContext, grammar: Grammar | None, field: str) -> Grammar | None:
-    """The grammar, once it is within the bounds and llama.cpp has accepted it (a 400
-    naming the field and the problem otherwise)."""
-    if grammar is not None:
-        try:
-            ctx.rt.check_grammar(grammar)
-        except GrammarError as exc:
-            raise ApiError(400, f"{field}: {exc}", reason=exc.reason) from exc
-    return grammar
+def _compiled(ctx: AppContext, grammar: Grammar | None, field: str) -> CompiledGrammar | None:
+    """The grammar within the bounds and parsed by llama.cpp, ready for a slot's sampler
+    (a 400 naming the field and the problem otherwise). Never on the event loop: callers
+    prepare grammar requests through ``offload`` with ``inline=False``."""
+    if grammar is None:
+        return None
+    try:
+        return ctx.rt.compile_grammar(grammar)
+    except GrammarError as exc:
+        raise ApiError(400, f"{field}: {exc}", reason=exc.reason) from exc
 
 
 def _schema_grammar(schema: dict[str, Any], field: str) -> Grammar:
@@ -165,7 +166,7 @@ def task_from(
     n_predict: int,
     request: web.Request,
     sink: QueueSink,
-    grammar: Grammar | None = None,
+    grammar: CompiledGrammar | None = None,
     logprobs: int | None = None,
     preserved: frozenset[int] = frozenset(),
     stops: list[str] | None = None,
@@ -181,7 +182,10 @@ def task_from(
         n_predict = cap
     return GenerateTask(
         prompt=prompt,
-        sampling=_sampling(req, grammar, check_repeat_last_n(ctx_of(request), req)),
+        sampling=_sampling(
+            req, grammar.grammar if grammar else None, check_repeat_last_n(ctx_of(request), req)
+        ),
+        grammar=grammar,
         stop=StopParams(
             n_predict=n_predict,
             stops=tuple(req.stop if stops is None else stops),
@@ -461,14 +465,15 @@ async def completion(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "give grammar or json_schema, not both")
     check_repeat_last_n(ctx, req)
 
-    def prepare() -> tuple[Grammar | None, list[int]]:
+    def prepare() -> tuple[CompiledGrammar | None, list[int]]:
         grammar = Grammar(req.grammar) if req.grammar is not None else None
         if req.json_schema is not None:
             grammar = _schema_grammar(req.json_schema, "json_schema")
         field = "grammar" if req.grammar is not None else "json_schema"
-        return _checked(ctx, grammar, field), ctx.tokenize_prompt(req.prompt)
+        return _compiled(ctx, grammar, field), ctx.tokenize_prompt(req.prompt)
 
-    grammar, prompt = await offload(request, body_bytes(request), prepare)
+    plain = req.grammar is None and req.json_schema is None
+    grammar, prompt = await offload(request, body_bytes(request), prepare, inline=plain)
     sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     task = task_from(
         req,
@@ -504,7 +509,7 @@ class PreparedChat:
     """A chat request made ready for the engine: tool plan, grammar, prompt tokens."""
 
     plan: ToolPlan | None
-    grammar: Grammar | None
+    grammar: CompiledGrammar | None
     prompt: list[int]
     preserved: frozenset[int]  # special tokens the output shows as text (tool markers)
 
@@ -527,7 +532,8 @@ def prepare_chat(
     template_kwargs: dict[str, Any] | None = None,
 ) -> PreparedChat:
     """Tools planned, grammars compiled and checked, the template rendered and tokenized:
-    the heavy part of every chat route, run off the event loop (``offload``)."""
+    the heavy part of every chat route, run off the event loop (``offload`` with
+    ``inline=False``: a tool or schema grammar is parsed here however small the body)."""
     try:
         plan = tool_plan(ctx.tool_format, tools, tool_choice, parallel_tool_calls)
     except ToolError as exc:
@@ -543,11 +549,11 @@ def prepare_chat(
             raise ApiError(400, f"{name} with tools: constrain one or the other, not both")
     if plan is not None and grammar is None:
         grammar = plan.grammar
-    grammar = _checked(ctx, grammar, field)
+    compiled = _compiled(ctx, grammar, field)
     text = ctx.render_messages(messages, tools, True, template_kwargs)
     prompt = ctx.check_prompt_fits(ctx.rt.tokenize(text, add_special=True, parse_special=True))
     preserved = ctx.special_tokens(plan.markers) if plan is not None else frozenset()
-    return PreparedChat(plan, grammar, prompt, preserved)
+    return PreparedChat(plan, compiled, prompt, preserved)
 
 
 def _response_format(req: ChatCompletionRequest) -> OutputSchema | None:
@@ -573,6 +579,7 @@ async def oai_chat(request: web.Request) -> web.StreamResponse:
         req.parallel_tool_calls,
         _response_format(req),
         req.chat_template_kwargs,
+        inline=False,
     )
     sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

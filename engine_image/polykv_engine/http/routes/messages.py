@@ -49,7 +49,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     ctx = ctx_of(request)
     req = await parse(request, MessagesRequest)
     check_repeat_last_n(ctx, req)
-    chat = await offload(request, body_bytes(request), _prepare, ctx, req)
+    chat = await offload(request, body_bytes(request), _prepare, ctx, req, inline=False)
     sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     task = task_from(
         req,
@@ -74,7 +74,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     req = await parse(request, CountTokensRequest)
     ctx.require_ready()
-    n = await offload(request, body_bytes(request), _count, ctx, req)
+    n = await offload(request, body_bytes(request), _count, ctx, req, inline=False)
     return web.json_response({"input_tokens": n})
 
 

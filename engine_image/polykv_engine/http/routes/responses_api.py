@@ -85,7 +85,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if identity.session is None:
         key = None if names_pool else cache_key
         identity = dataclasses.replace(identity, session=key or earlier_session or response_id)
-    chat, history = await offload(request, body_bytes(request), _prepare, ctx, req, earlier)
+    chat, history = await offload(
+        request, body_bytes(request), _prepare, ctx, req, earlier, inline=False
+    )
     sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     limit = -1 if req.max_output_tokens is None else req.max_output_tokens
     task = task_from(
