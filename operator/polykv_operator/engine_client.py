@@ -17,6 +17,7 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 import httpx
+from opentelemetry import propagate
 
 import polykv_client
 from polykv_api import models as wire
@@ -46,6 +47,21 @@ older engine's 409)."""
 # A 5xx with one of these codes is an answer, not a failure to answer: the engine is up and
 # refuses (503 kv_full / queue_full: busy now; 501 pools_disabled: never on this engine).
 REFUSALS_5XX: frozenset[str] = frozenset({"kv_full", "queue_full", "pools_disabled"})
+
+
+async def _carry_trace(request: httpx.Request) -> None:
+    """The current span (an operator round's) goes with the call as W3C ``traceparent``, so
+    the engine's side joins the round's trace; nothing is added while tracing is off."""
+    propagate.inject(request.headers)
+
+
+def engine_http(transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """The one HTTP client for every replica (``transport``: tests' stand-in engines)."""
+    return httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=64),
+        event_hooks={"request": [_carry_trace]},
+        transport=transport,
+    )
 
 
 class EngineUnreachable(Exception):

@@ -49,6 +49,7 @@ from .api import (
 from .autoscale.aggregate import Signal, engine_signal
 from .autoscale.metrics_api import ExternalSettings, Servers
 from .config import Config
+from .engine_client import engine_http
 from .engine_loop import Snapshot, StatusWriter, serve, write_pool_statuses
 from .engine_objects import apply_objects
 from .engine_round import ClusterView, CostWriter, GateWriter, drop_stale_gate
@@ -78,7 +79,7 @@ class Clients:
 
     def engine_http(self) -> httpx.AsyncClient:
         if self.http is None:
-            self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
+            self.http = engine_http()
         return self.http
 
     def kube_client(self) -> Kube:

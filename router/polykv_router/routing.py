@@ -111,8 +111,12 @@ class Router:
             binding = await self._lookup(session, creds, key.pool)
         if binding is None:
             near = await self._parent_replica(session[0], key.parent, creds, key.pool)
-            return await self._place(request, body, key, session, t0, "new", near)
-        return await self._continue(request, body, key, session, creds, binding, t0)
+            resp = await self._place(request, body, key, session, t0, "new", near)
+        else:
+            resp = await self._continue(request, body, key, session, creds, binding, t0)
+        if who.final:  # the engine released the session after this turn: so does the router
+            self.bindings.drop(session)
+        return resp
 
     async def _parent_replica(
         self, fp: str, parent: str | None, creds: dict[str, str], pool: str | None

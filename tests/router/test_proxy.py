@@ -45,12 +45,17 @@ StartRouter = Callable[..., RouterProcess]
 def start_fleet(test_model: Path, tmp_path: Path) -> Iterator[StartFleet]:
     started: list[EngineProcess] = []
 
-    def start(*names: str, pool: str | None = None) -> dict[str, EngineProcess]:
-        """Engines by name, each holding ``pool`` when one is named."""
+    def start(
+        *names: str, pool: str | None = None, args: tuple[str, ...] = ()
+    ) -> dict[str, EngineProcess]:
+        """Engines by name, each holding ``pool`` when one is named; ``args``: more flags."""
         out = {}
         for name in names:
             eng = EngineProcess(
-                model=test_model, args=ENGINE_ARGS, log_path=tmp_path / f"{name}.log", env=IDENTITY
+                model=test_model,
+                args=(*ENGINE_ARGS, *args),
+                log_path=tmp_path / f"{name}.log",
+                env=IDENTITY,
             )
             eng.start(timeout=120)
             started.append(eng)
@@ -435,3 +440,48 @@ def test_sub_agents_go_to_their_parents_replica(
     assert sub.headers["x-polykv-replica"] == home_replica
     r = turn(rc, None, None, "x", headers={"thread-id": "has space"})
     assert r.status_code == 400 and "thread-id" in r.json()["error"]["message"]
+
+
+def test_custom_header_lists_route_place_and_release(
+    start_fleet: StartFleet, start_router: StartRouter
+) -> None:
+    """The four header lists are flags (the router's as the engine's): a team's own headers
+    name the session, qualify a sub-agent, name a parent and end a session; the default
+    ones are then not read."""
+    lists = {"session": "x-team-session", "agent": "x-team-agent",
+             "parent": "x-team-parent,x-team-lead", "final": "x-team-done"}  # fmt: skip
+    engine_flags = [a for k, v in lists.items() for a in (f"--polykv-{k}-headers", v)]
+    engines = start_fleet("a", "b", pool="crew", args=tuple(engine_flags))
+    router = start_router(urls(engines), *[a for k, v in lists.items()
+                                           for a in (f"--{k}-headers", v)])  # fmt: skip
+    rc = client(router.base_url)
+
+    def bound() -> float:
+        return total(metrics(router.base_url), "polykv_router_sessions")
+
+    home = turn(rc, None, "crew", "plan", headers={"X-Team-Session": "lead"})
+    assert home.status_code == 200 and home.headers["x-session-id"] == "lead"
+    home_replica = home.headers["x-polykv-replica"]
+    assert bound() == 1
+    # A default header is not a session here: a one-shot request, bound nowhere.
+    oneshot = turn(rc, None, "crew", "plan", headers={"X-Claude-Code-Session-Id": "cc"})
+    assert oneshot.status_code == 200 and "x-session-id" not in oneshot.headers
+    assert bound() == 1
+    other = turn(rc, None, "crew", "plan", headers={"x-team-session": "stranger"})
+    assert other.headers["x-polykv-replica"] != home_replica  # placement alone spreads them
+    # A sub-agent (the agent header qualifies the session) and a child naming its parent
+    # by the second parent header both land where the lead lives.
+    sub = turn(rc, None, "crew", "work", headers={"x-team-session": "lead", "x-team-agent": "a1"})
+    assert sub.headers["x-session-id"] == "lead:a1"
+    assert sub.headers["x-polykv-replica"] == home_replica
+    child = turn(rc, None, "crew", "work", headers={"x-team-session": "kid", "x-team-lead": "lead"})
+    assert child.headers["x-polykv-replica"] == home_replica
+    # The final header ends the session on the engine and in the router's table.
+    before = bound()
+    done = turn(rc, None, "crew", "bye", headers={"x-team-session": "kid", "x-team-done": "1"})
+    assert done.status_code == 200
+    assert bound() == before - 1
+    gone = client(engines[home_replica].base_url).get("/polykv/sessions/kid")
+    assert gone.status_code == 404
+    r = turn(rc, None, None, "x", headers={"x-team-agent": "a2", "x-team-session": "bad id"})
+    assert r.status_code == 400 and "x-team-session" in r.json()["error"]["message"]

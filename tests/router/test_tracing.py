@@ -135,3 +135,34 @@ def test_one_trace_from_router_to_engine(
     for before, after in itertools.pairwise(phases):
         assert before.end_time_unix_nano <= after.start_time_unix_nano + 1
     assert request.start_time_unix_nano <= phases[0].start_time_unix_nano
+
+
+def test_a_pool_create_joins_the_callers_trace(
+    collector: ThreadingHTTPServer, test_model: Path, tmp_path: Path
+) -> None:
+    """What an operator round sends (its span as ``traceparent``) makes the engine's pool
+    create a span of the round's trace."""
+    endpoint = f"http://127.0.0.1:{collector.server_address[1]}"
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, **FAST_EXPORT}
+    engine = EngineProcess(
+        test_model, ("-np", "1", "-c", "1024"), log_path=tmp_path / "engine.log", env=env
+    )
+    engine.start(timeout=120)
+    try:
+        headers = {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}
+        body = {"name": "traced-crew", "prompt": "You are the crew."}
+        r = httpx.post(f"{engine.base_url}/polykv/pools", json=body, headers=headers, timeout=120)
+        assert r.status_code == 201, r.text
+
+        def create_span() -> Any:
+            with collector.lock:  # type: ignore[attr-defined]
+                every = list(collector.spans)  # type: ignore[attr-defined]
+            found = [sp for _, sp in every if sp.name == "polykv.pool.create"]
+            return found[0] if found else None
+
+        span = wait_for("the pool create's span", create_span, timeout_s=60)
+    finally:
+        engine.stop()
+    assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == CLIENT_SPAN
+    a = attrs(span)
+    assert a["polykv.pool.name"] == "traced-crew" and a["http.response.status_code"] == 201

@@ -5,13 +5,14 @@ the GenAI semantic-convention attributes, PolyKV's pool, cached tokens and hashe
 and four children: ``polykv.gate`` (the admission gate), ``polykv.queue`` (waiting for a
 slot), ``polykv.prefill`` and ``polykv.decode``. The last three are drawn from the engine's
 own timings when the request finishes (its prefill and decode durations, counted back from
-the moment its answer arrived), so the engine thread records nothing.
+the moment its answer arrived), so the engine thread records nothing. A pool create or fork
+(an operator round's call) is a span ``polykv.pool.create`` in the round's trace.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from opentelemetry import propagate, trace
@@ -25,17 +26,25 @@ FINISH = {"eos": "stop", "word": "stop", "limit": "length", "none": "stop"}
 
 
 @contextmanager
-def request_span(
-    headers: Mapping[str, str], operation: str, model: str, attributes: Mapping[str, Any]
+def server_span(
+    headers: Mapping[str, str], name: str, attributes: Mapping[str, Any]
 ) -> Iterator[Span]:
-    """The request's span, continuing the caller's trace (W3C ``traceparent``)."""
+    """A span for a call, continuing the caller's trace (W3C ``traceparent``: the router's
+    request, an operator round's pool create)."""
     parent = propagate.extract(headers)
-    attrs = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "polykv",
-             "gen_ai.request.model": model, **attributes}  # fmt: skip
     with TRACER.start_as_current_span(
-        f"{operation} {model}", context=parent, kind=SpanKind.SERVER, attributes=attrs
+        name, context=parent, kind=SpanKind.SERVER, attributes=attributes
     ) as span:
         yield span
+
+
+def request_span(
+    headers: Mapping[str, str], operation: str, model: str, attributes: Mapping[str, Any]
+) -> AbstractContextManager[Span]:
+    """An inference request's span, with the GenAI attributes."""
+    attrs = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "polykv",
+             "gen_ai.request.model": model, **attributes}  # fmt: skip
+    return server_span(headers, f"{operation} {model}", attrs)
 
 
 def record_done(

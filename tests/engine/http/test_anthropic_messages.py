@@ -131,6 +131,27 @@ def test_usage_adds_up_and_reports_the_cache(engine: EngineProcess) -> None:
     assert plain.cache_creation_input_tokens == 0 and plain.input_tokens > 0
 
 
+def test_count_tokens_counts_past_the_context(
+    start_engine: Callable[..., EngineProcess],
+) -> None:
+    """Anthropic's endpoint counts a prompt of any length (a client counts to know whether
+    it fits); the body limit still bounds it, and only the request to run it is refused."""
+    eng = start_engine("-np", "1", "-c", "512", "--polykv-max-body-bytes", "65536")
+    client = sdk(eng)
+    long_ask = [{"role": "user", "content": "How many clocks are in this house? " * 120}]
+    n = client.messages.count_tokens(model="m", messages=long_ask).input_tokens
+    assert n > 512
+    short = client.messages.count_tokens(model="m", messages=ASK).input_tokens
+    assert 0 < short < 512
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(model="m", max_tokens=4, messages=long_ask)
+    assert refused.value.body["error"]["reason"] == "prompt_too_long"  # type: ignore[index]
+    huge = [{"role": "user", "content": "x" * 70_000}]
+    with pytest.raises(anthropic.APIStatusError) as too_big:
+        client.messages.count_tokens(model="m", messages=huge)
+    assert too_big.value.status_code == 413
+
+
 def test_tool_use_whole_streamed_and_answered(engine: EngineProcess) -> None:
     client = sdk(engine)
     kw: dict[str, Any] = dict(

@@ -530,10 +530,13 @@ def prepare_chat(
     parallel_tool_calls: bool,
     output: OutputSchema | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    must_fit: bool = True,
 ) -> PreparedChat:
     """Tools planned, grammars compiled and checked, the template rendered and tokenized:
     the heavy part of every chat route, run off the event loop (``offload`` with
-    ``inline=False``: a tool or schema grammar is parsed here however small the body)."""
+    ``inline=False``: a tool or schema grammar is parsed here however small the body).
+    ``must_fit``: a prompt longer than a slot's context is refused (400
+    ``prompt_too_long``); a count takes it as it is."""
     try:
         plan = tool_plan(ctx.tool_format, tools, tool_choice, parallel_tool_calls)
     except ToolError as exc:
@@ -551,7 +554,9 @@ def prepare_chat(
         grammar = plan.grammar
     compiled = _compiled(ctx, grammar, field)
     text = ctx.render_messages(messages, tools, True, template_kwargs)
-    prompt = ctx.check_prompt_fits(ctx.rt.tokenize(text, add_special=True, parse_special=True))
+    prompt = ctx.rt.tokenize(text, add_special=True, parse_special=True)
+    if must_fit:
+        ctx.check_prompt_fits(prompt)
     preserved = ctx.special_tokens(plan.markers) if plan is not None else frozenset()
     return PreparedChat(plan, compiled, prompt, preserved)
 

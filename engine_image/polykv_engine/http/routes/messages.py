@@ -35,13 +35,19 @@ def _output(req: MessagesRequest) -> OutputSchema | None:
     return (fmt.schema_, "output_config.format.schema") if fmt is not None else None
 
 
-def _prepare(ctx: AppContext, req: MessagesRequest) -> PreparedChat:
+def _prepare(ctx: AppContext, req: MessagesRequest, must_fit: bool = True) -> PreparedChat:
     try:
         form = chat_form(req)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
     return prepare_chat(
-        ctx, form.messages, form.tools, form.tool_choice, form.parallel_tool_calls, _output(req)
+        ctx,
+        form.messages,
+        form.tools,
+        form.tool_choice,
+        form.parallel_tool_calls,
+        _output(req),
+        must_fit=must_fit,
     )
 
 
@@ -66,11 +72,12 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 def _count(ctx: AppContext, req: CountTokensRequest) -> int:
-    return len(_prepare(ctx, req).prompt)
+    return len(_prepare(ctx, req, must_fit=False).prompt)
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    """The prompt's length in tokens, as ``/v1/messages`` would render it."""
+    """The prompt's length in tokens, as ``/v1/messages`` would render it: also past the
+    context (that is what a client counts for), within the body limit."""
     ctx = ctx_of(request)
     req = await parse(request, CountTokensRequest)
     ctx.require_ready()

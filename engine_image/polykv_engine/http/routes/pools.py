@@ -29,6 +29,7 @@ from polykv_api.models import (
 )
 from polykv_engine.core import pool_ops
 from polykv_engine.core.engine import Engine
+from polykv_engine.http import tracing
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.auth import identity_of, require_admin
 from polykv_engine.http.errors import ApiError, body_bytes, parse
@@ -117,6 +118,21 @@ def _prefix_tokens(ctx: AppContext, req: PoolPrefix) -> list[int] | None:
 
 
 async def _create(request: web.Request, req: PoolPrefix, parent: PoolRef | None) -> web.Response:
+    attrs: dict[str, str | bool] = {
+        "polykv.pool.name": req.name or "",
+        "polykv.pool.dry_run": req.dry_run,
+    }
+    if parent is not None:
+        attrs["polykv.pool.parent"] = str(parent)
+    with tracing.server_span(request.headers, "polykv.pool.create", attrs) as span:
+        resp = await _create_traced(request, req, parent)
+        span.set_attribute("http.response.status_code", resp.status)
+        return resp
+
+
+async def _create_traced(
+    request: web.Request, req: PoolPrefix, parent: PoolRef | None
+) -> web.Response:
     ctx = ctx_of(request)
     if req.name is not None:
         try:
