@@ -16,6 +16,7 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 4096  # a stop is text the model writes: longer ones cannot be meant
 MAX_MESSAGES = 10_000  # every message costs template tokens: more never fit a context
 MAX_TOOLS = 128  # OpenAI's own limit on functions per request
+MAX_DRAFT = 64  # speculative tokens a step may verify per session: each takes a batch slot
 MAX_BLOCKS = 10_000  # content blocks (or input items) in one message: like messages, each
 # costs template tokens, so more never fit a context
 

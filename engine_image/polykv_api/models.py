@@ -15,7 +15,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from polykv_api.limits import INT32_MAX, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOLS
+from polykv_api.limits import (
+    INT32_MAX,
+    MAX_DRAFT,
+    MAX_MESSAGES,
+    MAX_STOP_CHARS,
+    MAX_STOPS,
+    MAX_TOOLS,
+)
 
 TokenId = Annotated[int, Field(ge=0)]
 # Request models are strict: JSON `true` is not token 1 and "5" is not 5. A client that
@@ -106,6 +113,26 @@ class SamplingFields(_Request):
         ge=1,
         le=INT32_MAX,
         description="explicit shared prefix length P; default: computed (auto-P)",
+    )
+    spec_type: Literal["none", "ngram"] | None = Field(
+        None,
+        alias="speculative.type",
+        description="speculative decoding for this request: ngram drafts from the context "
+        "(prompt lookup), none turns it off; default: the engine's --spec-type",
+    )
+    spec_n_max: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_DRAFT,
+        alias="speculative.n_max",
+        description="most tokens drafted a step (llama-server's name)",
+    )
+    spec_n_min: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_DRAFT,
+        alias="speculative.n_min",
+        description="fewest tokens worth a draft (llama-server's name)",
     )
 
     def pool_ref(self) -> int | str | None:
@@ -334,6 +361,10 @@ class Timings(BaseModel):
     predicted_per_token_ms: float
     predicted_per_second: float
     cache_n: int = Field(description="prompt tokens reused from the KV cache, not recomputed")
+    draft_n: int | None = Field(None, description="tokens speculative decoding drafted")
+    draft_n_accepted: int | None = Field(
+        None, description="drafted tokens kept: each a decode step saved"
+    )
 
 
 class PolykvResponseInfo(BaseModel):
@@ -559,6 +590,10 @@ class SessionTps(BaseModel):
     ctx_used: int
     ctx_total: int
     ctx_headroom_tokens: int
+    draft_n: int = Field(0, description="tokens speculative decoding drafted in the turn")
+    draft_n_accepted: int = Field(
+        0, description="of those, kept: tps_ewma counts them, each a step saved"
+    )
 
 
 class SessionInfo(BaseModel):

@@ -27,7 +27,9 @@ from polykv_api.agent_headers import (
     SessionHeaders,
     header_names,
 )
+from polykv_api.limits import MAX_DRAFT
 from polykv_engine.core.engine import Engine, EngineConfig
+from polykv_engine.core.tasks import SpecParams
 from polykv_engine.http.app import serve
 from polykv_engine.http.app_context import ServerSettings
 from polykv_engine.http.tenants import KeyEntry, KeyFileError, assign_tenants, parse_key_file
@@ -292,6 +294,25 @@ def build_parser() -> argparse.ArgumentParser:
         "such sessions do not pace prompts)",
     )
     p.add_argument(
+        "--spec-type",
+        choices=["none", "ngram"],
+        default="none",
+        help="speculative decoding for requests that do not choose (speculative.type): "
+        "ngram drafts the next tokens from the session's own context (prompt lookup)",
+    )
+    p.add_argument(
+        "--spec-draft-n-max",
+        type=int,
+        default=16,
+        help=f"most tokens drafted a step per session (1..{MAX_DRAFT})",
+    )
+    p.add_argument(
+        "--spec-draft-n-min",
+        type=int,
+        default=0,
+        help="fewest tokens worth drafting",
+    )
+    p.add_argument(
         "--polykv-max-queue",
         type=int,
         default=None,
@@ -423,6 +444,8 @@ def config_from_args(
             f"--cache-type-v {args.cache_type_v} needs flash attention (llama.cpp keeps a "
             "quantized V cache only with it): drop -fa off or use -ctv f16"
         )
+    if not 1 <= args.spec_draft_n_max <= MAX_DRAFT or not 0 <= args.spec_draft_n_min <= MAX_DRAFT:
+        parser.error(f"--spec-draft-n-max must be 1..{MAX_DRAFT}, -n-min 0..{MAX_DRAFT}")
     if not 0 <= args.polykv_prefill_floor_tps <= 10_000:
         parser.error("--polykv-prefill-floor-tps must be between 0 and 10000")
     if args.sse_ping_interval <= 0 or args.timeout <= 0:
@@ -486,6 +509,7 @@ def config_from_args(
         admission_ceiling=args.polykv_admission_ceiling,
         prefill_budget=args.polykv_prefill_budget,
         prefill_floor_tps=args.polykv_prefill_floor_tps,
+        spec=SpecParams(args.spec_type, args.spec_draft_n_max, args.spec_draft_n_min),
         max_queue=(
             args.polykv_max_queue if args.polykv_max_queue is not None else 8 * args.parallel
         ),

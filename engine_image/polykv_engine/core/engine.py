@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from polykv_api.limits import MAX_GRAMMAR_STACKS
@@ -44,6 +44,7 @@ from polykv_engine.core.tasks import (
     DoneEvent,
     ErrorEvent,
     GenerateTask,
+    SpecParams,
     StopType,
     TokenEvent,
 )
@@ -51,6 +52,7 @@ from polykv_engine.kv.cache import KVCache
 from polykv_engine.kv.memory import Memory, swa_full_cost
 from polykv_engine.llama.runtime import Batch, LlamaError, LlamaRuntime, RuntimeConfig
 from polykv_engine.policy.prefill import PrefillPacer
+from polykv_engine.policy.speculation import Speculation
 from polykv_engine.policy.step_time import (
     CYCLE_ALPHA,
     CYCLE_FRESH_S,
@@ -95,6 +97,7 @@ class EngineConfig:
     admission_ceiling: CeilingCurve = "cycle"  # which step-time curve caps admission's projection
     prefill_budget: int = 0  # prompt tokens a step may carry while sessions decode (0: by floor)
     prefill_floor_tps: float = 0.0  # the floor pacing assumes for sessions without a pool floor
+    spec: SpecParams = field(default_factory=SpecParams)  # for requests that do not choose
 
 
 class Engine:
@@ -545,6 +548,7 @@ class Engine:
             for tok in task.prompt[-n:] if n > 0 else task.prompt:
                 slot.sampler.accept_prompt(tok)
         slot.start(task, sampling, keep, now)
+        slot.spec = self._speculation(task)
         log.debug(
             "slot %d: request %d (session %s) prompt=%d cached=%d pool=%s",
             slot.slot_id,
@@ -596,6 +600,7 @@ class Engine:
             self._bump(
                 kv_parked_tokens=parked.parked_tokens, kv_park_dropped_tokens=parked.dropped_tokens
             )
+        self._propose_drafts()
         prompt_budget, t_dec = self._prompt_budget()
         retried = False
         while True:
@@ -620,24 +625,56 @@ class Engine:
             )
             if rc == 0:
                 break
-            if not self._make_room():
+            drafted = [s for s in self.slots.slots if s.draft]
+            for slot in drafted:  # guesses go before anything that holds cells is shed
+                slot.draft = []
+            if not drafted and not self._make_room():
                 return
             retried = True
-        # A step that only decoded (one token for each of b sessions) measures t(b), what
-        # admission scales rates with; steps carrying prompt or pool chunks do not.
-        decoding = sum(1 for s in self.slots.slots if s.state == "decoding" and s.batch_tokens)
+        # A step that only decoded (one token for each of b sessions, and what speculation
+        # drafted for them) measures t(b), what admission scales rates with; steps carrying
+        # prompt or pool chunks do not.
+        in_batch = [s for s in self.slots.slots if s.state == "decoding" and s.batch_tokens]
+        decoding = len(in_batch)
+        decode_tokens = sum(s.batch_tokens for s in in_batch)
         self._after_decode(time.perf_counter())
         seconds = time.perf_counter() - t0
         self._bump(step_seconds=seconds)
-        if not retried and decoding == batch.n:
+        if not retried and decode_tokens == batch.n:
             self._step_timer.record(decoding, seconds)
         elif not retried:
-            self._pacer.record(batch.n - decoding, seconds, t_dec if decoding else None)
+            self._pacer.record(batch.n - decode_tokens, seconds, t_dec if decoding else None)
         if decoding:
             # Keyed by every session in the batch, not the decoding ones only: a step that
             # carries another session's prompt is that session's cost, and admission asks
             # for the rate when all R + 1 sessions run their turns, prompts included.
             self._cycle_from = (busy, t0)
+
+    def _speculation(self, task: GenerateTask) -> Speculation | None:
+        """The turn's speculative decoding, when the request (or the engine) asks for it and
+        the model's memory can drop a rejected guess: a recurrent state cannot go back, and a
+        sliding window (not --swa-full) may recycle cells the guess pushed out of it."""
+        params = task.spec or self.cfg.spec
+        mem = self.memory
+        windowed = mem.kind == "sliding_window" and not self.cfg.runtime.swa_full
+        if params.type == "none" or params.n_max <= 0 or windowed or mem.exact_length:
+            return None
+        spec = Speculation(params.n_max, params.n_min)
+        spec.index.extend(task.prompt)
+        return spec
+
+    def _propose_drafts(self) -> None:
+        """Guess the next tokens of every speculating session, within what its request and
+        its context still allow (the guess and the token after it need positions)."""
+        for slot in self.slots.slots:
+            slot.draft = []
+            spec, task = slot.spec, slot.task
+            if spec is None or task is None or slot.state != "decoding" or slot.pending is None:
+                continue
+            room = slot.n_ctx - slot.n_past - 2
+            if task.stop.n_predict >= 0:
+                room = min(room, task.stop.n_predict - len(slot.generated) - 1)
+            slot.draft = spec.propose(room)
 
     def _prompt_budget(self) -> tuple[int | None, float | None]:
         """Prompt and pool tokens this step may carry beside the decoding sessions (None: as
@@ -647,7 +684,7 @@ class Engine:
             return None, None
         t_dec = self.snapshot.step_curve.time_at(len(decoding))
         period = self._pacer.period_s(self._floor_tps(s) for s in decoding)
-        capacity = self.rt.n_batch - len(decoding)
+        capacity = self.rt.n_batch - sum(1 + len(s.draft) for s in decoding)
         budget = self._pacer.budget(period, t_dec, capacity)
         if budget < min(capacity, self.slots.prompt_left() + self.pools.pending_tokens()):
             self._bump(prefill_paced_steps=1)
@@ -746,9 +783,10 @@ class Engine:
                 )
             else:
                 assert slot.pending is not None
-                self.slots.decoded(slot, (slot.pending,))
+                self.slots.decoded(slot, (slot.pending, *slot.draft))
                 slot.pending = None
-                n_decoded += 1
+                n_decoded += 1 + self._sample(slot, now)
+                continue
             self._sample(slot, now)
         n_prefilled += self.pools.after_decode()
         self._bump(decoded_tokens=n_decoded, prefilled_tokens=n_prefilled)
@@ -757,46 +795,75 @@ class Engine:
         if n_prefilled:
             self._prefill_rate.add(n_prefilled, now)
 
-    def _sample(self, slot: Slot, now: float) -> None:
+    def _sample(self, slot: Slot, now: float) -> int:
+        """Sample the slot's next token, and after it one for each drafted token the sampler
+        picked itself, so a draft never changes what is generated; returns the drafted tokens
+        kept (their cells stay, the rest are dropped)."""
         task = slot.task
         assert task is not None and slot.sampler is not None
         if task.stop.n_predict == 0:
             self._finish(slot, "limit")  # prompt processing only (e.g. to warm a cache)
-            return
-        tok = slot.sampler.sample(self.rt.ctx, slot.logits_idx)
-        stacks = slot.sampler.grammar_stacks()
-        if stacks > MAX_GRAMMAR_STACKS:  # an ambiguous grammar: they can double every token
-            msg = (
-                f"grammar: {stacks} parse stacks after {len(slot.generated) + 1} tokens, the "
-                f"limit is {MAX_GRAMMAR_STACKS} (alternatives that match the same text)"
-            )
-            self._fail_slot(slot, 400, "invalid_request_error", "grammar_too_large", msg)
-            return
-        slot.rate.on_token(now)
-        stop = task.stop
-        slot.generated.append(tok)
-        if self.rt.is_eog(tok) and not stop.ignore_eos:
-            self._finish(slot, "eos")
-            return
-        probs = None
-        if task.logprobs is not None:  # from the logits the sampler just used
-            probs = self.rt.token_logprobs(slot.logits_idx, tok, task.logprobs)
-        text = slot.assembler.push(self.rt.token_bytes(tok, tok in task.preserved_tokens))
-        if text or not slot.assembler.stops or probs is not None:
-            task.sink.emit(TokenEvent(text, tok, probs))
-        if slot.assembler.stopping_word is not None:
-            self._finish(slot, "word")
-            return
-        if 0 <= stop.n_predict <= len(slot.generated):
-            self._finish(slot, "limit")
-            return
-        slot.pending = tok
+            return 0
+        draft = slot.draft
+        picks: list[tuple[int, int]] = []  # (token, the batch index of its logits)
+        for i in range(len(draft) + 1):
+            idx = slot.logits_idx if i == 0 else slot.draft_idx + i - 1
+            tok = slot.sampler.sample(self.rt.ctx, idx)
+            stacks = slot.sampler.grammar_stacks()
+            if stacks > MAX_GRAMMAR_STACKS:  # an ambiguous grammar: they can double every token
+                self.slots.truncate(slot, slot.n_past - len(draft))
+                msg = (
+                    f"grammar: {stacks} parse stacks after {len(slot.generated) + i + 1} "
+                    f"tokens, the limit is {MAX_GRAMMAR_STACKS} (alternatives that match the "
+                    "same text)"
+                )
+                self._fail_slot(slot, 400, "invalid_request_error", "grammar_too_large", msg)
+                return 0
+            picks.append((tok, idx))
+            if i == len(draft) or tok != draft[i]:
+                break
+        kept = len(picks) - 1
+        if draft:
+            assert slot.spec is not None
+            self.slots.truncate(slot, slot.n_past - (len(draft) - kept))
+            slot.spec.verified(len(draft), kept)
+            self._bump(spec_draft_tokens=len(draft), spec_accepted_tokens=kept)
+            slot.draft = []
+        for tok, idx in picks:
+            if not self._emit(slot, task, tok, idx, now):
+                return kept
+        slot.pending = picks[-1][0]
         if slot.n_past >= slot.n_ctx:
             # The pending token has no position left in this slot's context.
             if self.cfg.context_shift and self._can_shift(slot):
                 self._shift_context(slot)
             else:
                 self._finish(slot, "limit", truncated=True)
+        return kept
+
+    def _emit(self, slot: Slot, task: GenerateTask, tok: int, idx: int, now: float) -> bool:
+        """One generated token to the client; False when it ended the turn."""
+        slot.rate.on_token(now)
+        stop = task.stop
+        slot.generated.append(tok)
+        if slot.spec is not None:
+            slot.spec.index.extend((tok,))
+        if self.rt.is_eog(tok) and not stop.ignore_eos:
+            self._finish(slot, "eos")
+            return False
+        probs = None
+        if task.logprobs is not None:  # from the logits the sampler just used
+            probs = self.rt.token_logprobs(idx, tok, task.logprobs)
+        text = slot.assembler.push(self.rt.token_bytes(tok, tok in task.preserved_tokens))
+        if text or not slot.assembler.stops or probs is not None:
+            task.sink.emit(TokenEvent(text, tok, probs))
+        if slot.assembler.stopping_word is not None:
+            self._finish(slot, "word")
+            return False
+        if 0 <= stop.n_predict <= len(slot.generated):
+            self._finish(slot, "limit")
+            return False
+        return True
 
     def _can_shift(self, slot: Slot) -> bool:
         """A shift moves cell positions; cells shared with a pool or another session would

@@ -67,9 +67,10 @@ def build_batch(
     batch: Batch, slots: Sequence[Slot], pools: PoolManager, prompt_budget: int | None = None
 ) -> None:
     """One token for every decoding slot first (running sessions never wait on prompts),
-    then prompt chunks in arrival order (an early long prompt is not starved by later short
-    ones), then chunks of pools being materialized, up to the batch's capacity and at most
-    ``prompt_budget`` prompt and pool tokens (``policy.prefill``; None: no limit)."""
+    then the tokens speculation drafted for them, then prompt chunks in arrival order (an
+    early long prompt is not starved by later short ones), then chunks of pools being
+    materialized, up to the batch's capacity and at most ``prompt_budget`` prompt and pool
+    tokens (``policy.prefill``; None: no limit)."""
     batch.clear()
     budget = batch.capacity
     for slot in slots:
@@ -81,6 +82,15 @@ def build_batch(
             slot.logits_idx = batch.add(slot.pending, pos, slot.slot_id, True)
             slot.batch_tokens = 1
             budget -= 1
+    for slot in slots:  # drafted tokens after every session's own: each gets its logits
+        if slot.batch_tokens and slot.draft:
+            slot.draft = slot.draft[:budget]
+            pos = len(slot.cache_tokens) + 1
+            slot.draft_idx = batch.n
+            for i, tok in enumerate(slot.draft):
+                batch.add(tok, pos + i, slot.slot_id, True)
+            slot.batch_tokens += len(slot.draft)
+            budget -= len(slot.draft)
     if prompt_budget is not None:
         budget = min(budget, prompt_budget)
     prefilling = sorted((s for s in slots if s.state == "prefill"), key=lambda s: s.t_start)

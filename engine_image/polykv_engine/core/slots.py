@@ -26,6 +26,7 @@ from polykv_engine.kv.cache import KVCache
 from polykv_engine.kv.memory import Memory, recycle_horizon
 from polykv_engine.llama.runtime import Sampler
 from polykv_engine.llama.sampling import SamplingParams
+from polykv_engine.policy.speculation import Speculation
 from polykv_engine.policy.tps import SessionRate
 from polykv_engine.pools.tree import Pool, PoolError
 from polykv_engine.tokens import common_prefix_len
@@ -95,6 +96,9 @@ class Slot:
     # Sliding-window models: llama.cpp may have recycled the slot's own cells below this
     # position (kv.memory.recycle_horizon of its longest length since it was last emptied).
     swa_horizon: int = 0
+    spec: Speculation | None = None  # the turn's speculative decoding, when on
+    draft: list[int] = field(default_factory=list)  # guessed next tokens, in this batch
+    draft_idx: int = -1  # batch index of the first drafted token (the rest follow it)
 
     @property
     def n_past(self) -> int:
@@ -143,6 +147,8 @@ class Slot:
         self.pending = None
         self.assembler = TextAssembler(list(task.stop.stops))
         self.rate.reset()
+        self.spec = None
+        self.draft = []
         self.t_start = now
         self.t_first = 0.0
         self.last_used = time.time()
@@ -169,6 +175,8 @@ class Slot:
             tps_ewma=self.rate.tps,
             pool_id=task.pool.pool_id if task.pool is not None else None,
             shared_prefix=task.shared_prefix,
+            draft_n=self.spec.drafted if self.spec is not None else 0,
+            draft_n_accepted=self.spec.accepted if self.spec is not None else 0,
         )
 
     def view(self) -> SlotView:
@@ -207,6 +215,9 @@ class Slot:
             n_cached=self.n_cached,
             last_task_id=self.last_task_id,
             params=self.params,
+            speculative=self.spec is not None,
+            draft_n=self.spec.drafted if self.spec is not None else 0,
+            draft_n_accepted=self.spec.accepted if self.spec is not None else 0,
         )
 
 

@@ -41,6 +41,9 @@ class SlotSnapshot:
     n_cached: int = 0  # prompt tokens the last request reused from KV
     last_task_id: int = -1
     params: dict[str, Any] = field(default_factory=dict)  # the last request's settings
+    speculative: bool = False  # the turn drafts tokens (speculative decoding)
+    draft_n: int = 0  # tokens drafted in the turn
+    draft_n_accepted: int = 0  # of those, kept
 
     @property
     def processing(self) -> bool:
@@ -128,6 +131,8 @@ class Counters:
     kv_park_dropped_tokens: int = 0  # parked cells discarded to stay within the budget
     tokens_max: int = 0  # longest sequence seen (prompt + generation)
     prefill_paced_steps: int = 0  # steps whose prompt work the floor's budget cut short
+    spec_draft_tokens: int = 0  # tokens speculative decoding drafted
+    spec_accepted_tokens: int = 0  # of those, kept
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,17 @@ def next_task_id() -> int:
 
 
 StopType = Literal["eos", "word", "limit", "none"]
+SpecType = Literal["none", "ngram"]
+
+
+@dataclass(frozen=True, slots=True)
+class SpecParams:
+    """Speculative decoding for a request: ``ngram`` drafts from the session's own context
+    (``policy.speculation``); at most ``n_max`` tokens a step, none shorter than ``n_min``."""
+
+    type: SpecType = "none"
+    n_max: int = 16
+    n_min: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +65,8 @@ class GenerationResult:
     tps_ewma: float
     pool_id: int | None = None
     shared_prefix: int = 0  # leading prompt tokens whose KV cells are the pool's
+    draft_n: int = 0  # tokens speculation drafted this turn
+    draft_n_accepted: int = 0  # of those, kept (each one a step saved)
 
     @property
     def n_prompt_tokens(self) -> int:
@@ -103,6 +116,7 @@ class GenerateTask:
     pool_ref: PoolRef | None = None  # attach to this pool (id or name)
     pool_p: int | None = None  # explicit shared prefix length; None = auto-P
     logprobs: int | None = None  # report each token's logprob and this many alternatives
+    spec: SpecParams | None = None  # None: the engine's default (--spec-type)
     preserved_tokens: frozenset[int] = frozenset()  # special tokens rendered as text
     task_id: int = field(default_factory=next_task_id)
     submitted_at: float = 0.0

@@ -40,6 +40,12 @@ _COUNTERS: list[tuple[str, str, str]] = [
         "kv_park_dropped_tokens",
         "Parked cells discarded to stay within --polykv-park-mib",
     ),
+    ("spec_draft_tokens", "spec_draft_tokens", "Tokens speculative decoding drafted"),
+    (
+        "spec_accepted_tokens",
+        "spec_accepted_tokens",
+        "Drafted tokens the sampler kept (each a decode step saved)",
+    ),
     (
         "prefill_paced_steps",
         "prefill_paced_steps",

@@ -38,6 +38,8 @@ def timings(r: GenerationResult) -> Timings:
         predicted_per_token_ms=r.predicted_ms / r.predicted_n if r.predicted_n else 0.0,
         predicted_per_second=per_second(r.predicted_n, r.predicted_ms),
         cache_n=r.cache_n,
+        draft_n=r.draft_n if r.draft_n else None,  # only when the turn drafted (llama-server)
+        draft_n_accepted=r.draft_n_accepted if r.draft_n else None,
     )
 
 
@@ -181,7 +183,7 @@ class ResponseBuilder:
         return {
             **self._envelope(obj, [choice]),
             "usage": usage(r),
-            "timings": timings(r).model_dump(),
+            "timings": timings(r).model_dump(exclude_none=True),
             "polykv": _polykv(r),
         }
 
@@ -201,7 +203,7 @@ class ResponseBuilder:
             "stop_type": r.stop_type,
             "stopping_word": r.stopping_word,
             "tokens_cached": r.n_prompt_tokens + r.predicted_n,
-            "timings": timings(r).model_dump(),
+            "timings": timings(r).model_dump(exclude_none=True),
             "session_id": r.session_id,
             "polykv": _polykv(r),
         }
@@ -309,7 +311,7 @@ class ResponseBuilder:
                 "finish_reason": finish_reason(r, calls),
             }
         last = self._oai_chunk(choice)
-        last["timings"] = timings(r).model_dump()
+        last["timings"] = timings(r).model_dump(exclude_none=True)
         last["polykv"] = _polykv(r)
         return [*out, last]
 

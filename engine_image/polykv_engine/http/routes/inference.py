@@ -40,6 +40,7 @@ from polykv_engine.core.tasks import (
     Event,
     GenerateTask,
     GenerationResult,
+    SpecParams,
     TokenEvent,
 )
 from polykv_engine.http import tracing
@@ -200,6 +201,18 @@ def task_from(
         cache_prompt=req.cache_prompt,
         pool_ref=_pool_ref(req),
         pool_p=req.shared_prefix_n_tokens,
+        spec=_spec(ctx_of(request).engine.cfg.spec, req),
+    )
+
+
+def _spec(default: SpecParams, req: SamplingFields) -> SpecParams | None:
+    """The request's speculative settings over the engine's; None: the engine's as is."""
+    if req.spec_type is None and req.spec_n_max is None and req.spec_n_min is None:
+        return None
+    return SpecParams(
+        type=req.spec_type or default.type,
+        n_max=default.n_max if req.spec_n_max is None else req.spec_n_max,
+        n_min=default.n_min if req.spec_n_min is None else req.spec_n_min,
     )
 
 

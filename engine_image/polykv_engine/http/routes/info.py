@@ -143,7 +143,7 @@ async def slots(request: web.Request) -> web.Response:
                 "id": s.slot_id,
                 "id_task": task,
                 "n_ctx": s.n_ctx,
-                "speculative": False,
+                "speculative": s.speculative,
                 "is_processing": s.processing,
                 "n_prompt_tokens": s.n_prompt if mine else 0,
                 "n_prompt_tokens_processed": s.n_prompt - s.n_cached if mine else 0,
@@ -165,6 +165,8 @@ async def slots(request: web.Request) -> web.Response:
                 "ctx_used": s.ctx_used,
                 "ctx_headroom_tokens": s.n_ctx - s.ctx_used,
                 "ttft_ms": s.ttft_ms,
+                "draft_n": s.draft_n,
+                "draft_n_accepted": s.draft_n_accepted,
             }
         )
     return web.json_response(out)
@@ -208,6 +210,8 @@ def tps_snapshot(snap: EngineSnapshot, sees: Callable[[str | None], bool]) -> Tp
             ctx_used=s.ctx_used,
             ctx_total=s.n_ctx,
             ctx_headroom_tokens=s.n_ctx - s.ctx_used,
+            draft_n=s.draft_n,
+            draft_n_accepted=s.draft_n_accepted,
         )
         for s in snap.slots
         if s.processing or s.session_id is not None

@@ -1,0 +1,126 @@
+"""Speculative decoding through HTTP: the same greedy text with and without it, alone and
+batched, attached to a pool (whose cells drafts never touch), with its acceptance reported
+in timings, /slots, /polykv/tps and /metrics; out-of-bound settings refused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from polykv_engine.testing import EngineProcess
+
+from .conftest import DETERMINISTIC
+from .pool_helpers import ADMIN, check_accounting, create, release_all, tokenize
+from .test_parking import metric
+
+# Text that repeats itself, as a code edit or a quoting summary does: the tiny model's
+# greedy continuation of it repeats too, so drafts from the context get accepted.
+REPEATING = "def add(a, b):\n    return a + b\n\n" * 6
+PROMPTS = [
+    REPEATING,
+    "The list: red, green, blue; red, green, blue; red, green,",
+    "Once upon a time there was a kernel that scheduled " * 5,
+    "A",
+]
+
+
+@pytest.fixture(scope="module")
+def spec_engine(start_engine: Callable[..., EngineProcess]) -> EngineProcess:
+    return start_engine(
+        "-np", "4", "-c", "8192", "--metrics", "--polykv-kv-debug",
+        "--polykv-admin-key", "admin-key", *DETERMINISTIC,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def sc(spec_engine: EngineProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=spec_engine.base_url, timeout=120, headers=ADMIN) as c:
+        release_all(c)
+        yield c
+        release_all(c)
+
+
+def complete(c: httpx.Client, prompt: Any, spec: str, n: int = 96, **extra: Any) -> dict[str, Any]:
+    body = {"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": False,
+            "speculative.type": spec, **extra}  # fmt: skip
+    r = c.post("/completion", json=body)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def test_greedy_text_is_the_same_and_drafts_are_kept(sc: httpx.Client) -> None:
+    plain = complete(sc, REPEATING, "none")
+    drafted0 = metric(sc, "polykv_spec_draft_tokens_total")
+    accepted0 = metric(sc, "polykv_spec_accepted_tokens_total")
+    calls0 = metric(sc, "polykv_decode_calls_total")
+    spec = complete(sc, REPEATING, "ngram", **{"speculative.n_max": 8})
+    calls = metric(sc, "polykv_decode_calls_total") - calls0
+    assert spec["content"] == plain["content"] and spec["tokens"] == plain["tokens"]
+    assert "draft_n" not in plain["timings"]
+    t = spec["timings"]
+    assert t["predicted_n"] == plain["timings"]["predicted_n"] == 96
+    assert 0 < t["draft_n_accepted"] <= t["draft_n"], t
+    assert metric(sc, "polykv_spec_draft_tokens_total") - drafted0 == t["draft_n"]
+    assert metric(sc, "polykv_spec_accepted_tokens_total") - accepted0 == t["draft_n_accepted"]
+    slot = next(s for s in sc.get("/slots").json() if s["id"] == spec["id_slot"])
+    assert slot["speculative"] is True
+    assert (slot["draft_n"], slot["draft_n_accepted"]) == (t["draft_n"], t["draft_n_accepted"])
+    # Every kept draft token is a step saved: one call for the prompt, then one per step.
+    assert calls <= 1 + 96 - t["draft_n_accepted"], calls
+    check_accounting(sc)
+
+
+def test_batched_sessions_speculating_match_their_solo_runs(sc: httpx.Client) -> None:
+    solo = [complete(sc, p, "none", 48)["content"] for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        batched = list(pool.map(lambda p: complete(sc, p, "ngram", 48)["content"], PROMPTS))
+    assert batched == solo
+    check_accounting(sc)
+
+
+def test_a_pooled_session_speculates_without_touching_the_pool(sc: httpx.Client) -> None:
+    prefix = tokenize(sc, REPEATING)
+    create(sc, tokens=prefix, name="spec-pool")
+    suffix = tokenize(sc, "def sub(a, b):\n    return a - b\n\n", add_special=False)
+    body = {"pool_id": "spec-pool", "session_id": "spec-a"}
+    spec = complete(sc, prefix + suffix, "ngram", **body)
+    assert spec["timings"]["draft_n_accepted"] > 0
+    assert spec["timings"]["cache_n"] >= len(prefix)
+    check_accounting(sc)  # the shadow of every cell equals llama.cpp's own count
+    # The pool's cells are as they were: a session attaching now reads the same prefix.
+    plain = complete(sc, prefix + suffix, "none", pool_id="spec-pool", session_id="spec-b")
+    assert plain["content"] == spec["content"]
+    unpooled = complete(sc, prefix + suffix, "none")
+    assert unpooled["content"] == spec["content"]
+    tps = sc.get("/polykv/tps").json()
+    a = next(s for s in tps["sessions"] if s["session_id"] == "spec-a")
+    assert a["draft_n_accepted"] == spec["timings"]["draft_n_accepted"] > 0
+
+
+def test_the_engine_default_applies_and_a_request_may_turn_it_off(
+    start_engine: Callable[..., EngineProcess],
+) -> None:
+    eng = start_engine("-np", "1", "-c", "4096", "--spec-type", "ngram", *DETERMINISTIC)
+    with httpx.Client(base_url=eng.base_url, timeout=120) as c:
+        body = {"prompt": REPEATING, "n_predict": 64, "temperature": 0, "cache_prompt": False}
+        on = c.post("/completion", json=body).json()
+        off = c.post("/completion", json={**body, "speculative.type": "none"}).json()
+    assert on["content"] == off["content"]
+    assert on["timings"]["draft_n"] > 0 and "draft_n" not in off["timings"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("speculative.n_max", 65), ("speculative.n_min", -1), ("speculative.type", "eagle3")],
+)
+def test_out_of_bound_settings_are_refused_naming_the_field(
+    sc: httpx.Client, field: str, value: object
+) -> None:
+    r = sc.post("/completion", json={"prompt": "x", "n_predict": 1, field: value})
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]
