@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -437,6 +438,32 @@ def test_the_default_body_limit_comes_from_the_context(plain: EngineProcess) -> 
     assert str(limit) in over.json()["error"]["message"]
     under = run_case(plain, None, "/tokenize", big_tokenize_body(limit - 64))
     assert under.status == 200
+
+
+def kib_of(eng: EngineProcess, field: str) -> int:
+    assert eng.proc is not None
+    status = Path(f"/proc/{eng.proc.pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith(field)))
+
+
+def test_tokens_with_pieces_cost_memory_like_the_answer_not_170x_the_body(
+    plain: EngineProcess,
+) -> None:
+    """A dict per token held ~170 bytes per byte of the body: the default limit at -c 4096
+    (2.25 MiB) peaked at +393 MiB, and the limit grows with the context (10 MiB at 128k).
+    Now the answer is written as it goes: a few times what it weighs."""
+    body = json.loads(big_tokenize_body(default_body_bytes(N_CTX) - 64))
+    assert plain.proc is not None
+    Path(f"/proc/{plain.proc.pid}/clear_refs").write_text("5")  # the peak starts again here
+    before = kib_of(plain, "VmRSS")
+    r = httpx.post(f"{plain.base_url}/tokenize", json={**body, "with_pieces": True}, timeout=600)
+    assert r.status_code == 200, r.text[:300]
+    pieces = r.json()["tokens"]
+    assert len(pieces) > 500_000 and all(p.keys() == {"id", "piece"} for p in pieces[:100])
+    assert "".join(p["piece"] for p in pieces[:100]).startswith(body["content"][:60])
+    grown_mib = (kib_of(plain, "VmHWM") - before) / 1024
+    print(f"peak RSS +{grown_mib:.0f} MiB for a {len(r.content) / 2**20:.0f} MiB answer")
+    assert grown_mib < 8 * len(r.content) / 2**20  # measured +188 MiB; before, +414
 
 
 def test_a_chunked_body_stops_being_read_at_the_limit(plain: EngineProcess) -> None:
