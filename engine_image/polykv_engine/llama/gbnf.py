@@ -190,9 +190,7 @@ class _Parser:
                 while self.at(pos) != '"':
                     pos = self.char(pos)
                     chars += 1
-                if chars:
-                    self.grow(1)
-                    alt.append((False, chars))
+                self.terminal(alt, chars)  # "" is nothing at all
                 pos = self.space(pos + 1, nested)
             elif c == "[":
                 pos += 1
@@ -206,15 +204,12 @@ class _Parser:
                     if self.at(pos) == "-" and self.at(pos + 1) != "]":
                         pos = self.char(pos + 1)
                         chars += 1
-                if chars:
-                    self.grow(1)
-                    alt.append((False, chars))
+                self.terminal(alt, chars)  # so is []
                 pos = self.space(pos + 1, nested)
             elif c in "<!":
                 pos = self.token(pos + 1 if c == "!" else pos)
                 last, n_prev_rules = len(alt), 1
-                self.grow(1)
-                alt.append((False, 1))
+                self.terminal(alt, 1)
                 pos = self.space(pos, nested)
             elif _word(c):
                 end = self.name(pos)
@@ -236,8 +231,7 @@ class _Parser:
                 pos = self.space(pos + 1, nested)
             elif c == ".":
                 last, n_prev_rules = len(alt), 1
-                self.grow(1)
-                alt.append((False, 1))
+                self.terminal(alt, 1)
                 pos = self.space(pos + 1, nested)
             elif c in "*+?":
                 pos = self.space(pos + 1, nested)
@@ -249,6 +243,12 @@ class _Parser:
             else:
                 break
         return pos
+
+    def terminal(self, alt: Alternative, elements: int) -> None:
+        """One item for a literal, class, token or ``.`` of ``elements`` elements."""
+        if elements:
+            self.grow(1)
+            alt.append((False, elements))
 
     def token(self, pos: int) -> int:
         if self.at(pos) != "<":
