@@ -33,9 +33,9 @@ class _Block(BaseModel):
 
 
 class CacheControl(_Block):
-    """A breakpoint: the prefix up to here is worth keeping. This engine keeps every
-    prompt's prefix in the session's cache and shares it automatically; ``ttl`` is read
-    as a hint only."""
+    """A breakpoint: the prefix up to here is kept for ``ttl`` (5 minutes by default), so
+    the tenant's later requests, in any session, read it from KV. A request keeps one
+    prefix: up to its last breakpoint, for the longest ``ttl`` its breakpoints ask."""
 
     type: Literal["ephemeral"] = "ephemeral"
     ttl: Literal["5m", "1h"] | None = None
@@ -174,17 +174,18 @@ class MessagesRequest(SamplingFields):
         effort = self.output_config is not None and self.output_config.effort is not None
         return sorted([*super().ignored_fields(), *used, *(["output_config.effort"] * effort)])
 
-    def has_cache_control(self) -> bool:
-        """Whether the client marked any prefix as worth caching."""
-        if self.cache_control is not None:
-            return True
-        blocks: list[Any] = list(self.tools or [])
+    def cache_ttl(self) -> Literal["5m", "1h"] | None:
+        """The longest TTL the request's breakpoints ask for; None without a breakpoint."""
+        blocks: list[Any] = [self, *(self.tools or [])]
         if isinstance(self.system, list):
             blocks += self.system
         for m in self.messages:
             if isinstance(m.content, list):
                 blocks.extend(m.content)
-        return any(b.cache_control is not None for b in blocks)
+        asked = [b.cache_control.ttl or "5m" for b in blocks if b.cache_control is not None]
+        if not asked:
+            return None
+        return "1h" if "1h" in asked else "5m"
 
 
 class CountTokensRequest(MessagesRequest):
@@ -197,10 +198,11 @@ class CountTokensRequest(MessagesRequest):
 
 
 class Usage(BaseModel):
-    """Anthropic's split: ``input_tokens`` were computed and not kept for a breakpoint,
-    ``cache_read_input_tokens`` came from KV (a pool, the session's own cache or another
-    of the tenant's sequences), ``cache_creation_input_tokens`` were computed and kept
-    because the request marked a breakpoint. The three add up to the prompt's length."""
+    """Anthropic's split: ``cache_read_input_tokens`` came from KV (a kept prefix, a pool,
+    the session's own cache or another of the tenant's sequences),
+    ``cache_creation_input_tokens`` were computed now into the prefix kept for the
+    request's breakpoint, ``input_tokens`` the rest (past the breakpoint, or not kept).
+    The three add up to the prompt's length."""
 
     input_tokens: int
     output_tokens: int

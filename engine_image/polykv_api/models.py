@@ -812,6 +812,12 @@ class PoolStatus(BaseModel):
     capacity: CapacitySummary | None = Field(
         None, description="admission verdict for one more session (no expected_tokens)"
     )
+    kept_until: float | None = Field(
+        None,
+        description="a kept prefix (unnamed: the prefix up to a tenant's cache_control "
+        "breakpoint, listed only to that tenant and the admin): released at this time "
+        "(epoch seconds) unless a request extends it; None for a declared pool",
+    )
 
 
 class PoolList(BaseModel):

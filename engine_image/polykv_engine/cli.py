@@ -338,6 +338,19 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"comma-separated headers that {what}",
         )
     p.add_argument(
+        "--polykv-kept-prefixes",
+        type=int,
+        default=8,
+        help="prefixes each tenant may keep for its cache_control breakpoints (Anthropic "
+        "Messages); past it the least recently used goes (0: breakpoints keep nothing)",
+    )
+    p.add_argument(
+        "--polykv-kept-ttl-max-s",
+        type=float,
+        default=3600.0,
+        help='the longest a kept prefix lives (a breakpoint asks 5 minutes, or "1h")',
+    )
+    p.add_argument(
         "--sse-ping-interval",
         type=float,
         default=10.0,
@@ -431,6 +444,8 @@ def config_from_args(
         ),
         ("--polykv-park-mib", args.polykv_park_mib, 0),
         ("--polykv-prefill-budget", args.polykv_prefill_budget, 0),
+        ("--polykv-kept-prefixes", args.polykv_kept_prefixes, 0),
+        ("--polykv-kept-ttl-max-s", args.polykv_kept_ttl_max_s, 0),
     ):
         if value < low:
             parser.error(f"{name} must be >= {low}, got {value}")
@@ -530,6 +545,8 @@ def config_from_args(
         write_timeout_s=args.timeout,
         max_body_bytes=args.polykv_max_body_bytes,
         n_predict=args.n_predict,
+        kept_prefixes=args.polykv_kept_prefixes,
+        kept_ttl_max_s=args.polykv_kept_ttl_max_s,
         session_headers=SessionHeaders(
             session=args.polykv_session_headers,
             agent=args.polykv_agent_headers,

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` have in common.
+def common_prefix_len(a: Sequence[T], b: Sequence[T]) -> int:
+    """How many leading tokens (or characters) ``a`` and ``b`` have in common.
 
     Called for every slot and pool on every request (automatic prefix sharing), with
     prompts of thousands of tokens: slices compare in C, so bisect on slice equality and

@@ -195,7 +195,12 @@ class Round:
         ]
         st.mean_active_tps = stat.mean_active_tps(listings)
         declared = {n.name for n in self.mine}
-        theirs = [p for lst in listings for p in lst.pools if p.name not in declared]
+        theirs = [  # a tenant's kept prefixes are the engine's cache, nobody's pools
+            p
+            for lst in listings
+            for p in lst.pools
+            if p.name not in declared and p.kept_until is None
+        ]
         st.unmanaged_pools = len(theirs)
         st.orphaned_pins = sum(1 for p in theirs if p.orphaned_pin)
 

@@ -14,9 +14,11 @@ import json
 from typing import Any
 
 from polykv_api.anthropic import (
+    Message,
     MessagesRequest,
     StopReason,
     TextBlock,
+    Tool,
     ToolResultBlock,
     ToolUseBlock,
 )
@@ -105,6 +107,56 @@ def chat_form(req: MessagesRequest) -> ChatForm:
     naming the field)."""
     choice, parallel = _tool_choice(req)
     return ChatForm(_chat_messages(req), _tools(req), choice, parallel)
+
+
+# Put right after the content a breakpoint closes: the rendered prompt and the rendered
+# marked prompt part there, which is how far the breakpoint's prefix reaches in tokens.
+BREAKPOINT_MARK = "\u2063[polykv-breakpoint]"
+
+
+def _mark_tool(tool: Tool) -> None:
+    tool.description = (tool.description or "") + BREAKPOINT_MARK
+
+
+def _mark_block(block: TextBlock | ToolUseBlock | ToolResultBlock) -> None:
+    if isinstance(block, TextBlock):
+        block.text += BREAKPOINT_MARK
+    elif isinstance(block, ToolUseBlock):
+        block.input = {**block.input, BREAKPOINT_MARK: ""}
+    elif isinstance(block.content, str) or not block.content:
+        block.content = f"{block.text()}{BREAKPOINT_MARK}"
+    else:
+        block.content[-1].text += BREAKPOINT_MARK
+
+
+def _mark_message(message: Message) -> None:
+    if isinstance(message.content, str):
+        message.content += BREAKPOINT_MARK
+    elif message.content:
+        _mark_block(message.content[-1])
+
+
+def mark_last_breakpoint(req: MessagesRequest) -> MessagesRequest | None:
+    """A copy of ``req`` with ``BREAKPOINT_MARK`` after the content of its last
+    ``cache_control`` breakpoint, in Anthropic's order (tools, system, messages; a top-level
+    one marks the last message's end); None without a breakpoint."""
+    out = req.model_copy(deep=True)
+    marked: list[Tool | TextBlock | ToolUseBlock | ToolResultBlock] = list(out.tools or [])
+    if isinstance(out.system, list):
+        marked += out.system
+    for m in out.messages:
+        if isinstance(m.content, list):
+            marked += m.content
+    last = next((b for b in reversed(marked) if b.cache_control is not None), None)
+    if out.cache_control is not None:
+        _mark_message(out.messages[-1])
+    elif isinstance(last, Tool):
+        _mark_tool(last)
+    elif last is not None:
+        _mark_block(last)
+    else:
+        return None
+    return out
 
 
 def stop_reason(stop_type: str, tool_calls: bool) -> StopReason:

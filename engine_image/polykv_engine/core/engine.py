@@ -290,6 +290,7 @@ class Engine:
             self._slots.session_tokens,
             state_bytes=rt.state_bytes,
             extend_only=self.memory.exact_length,
+            on_removed=self._slots.unlink_pool,
         )
         if not pools_on:
             self.pools_disabled_reason = "pools are disabled (--polykv-max-pools 0)"
@@ -484,7 +485,13 @@ class Engine:
             raise PoolError(
                 501, "pools_disabled", self.pools_disabled_reason, "not_supported_error"
             )
-        pool = self.pools.tree.resolve(task.pool_ref)
+        try:
+            pool = self.pools.tree.resolve(task.pool_ref, task.tenant)
+        except PoolError:
+            if not task.pool_kept:
+                raise
+            task.pool_ref = None  # the kept prefix went (TTL, KV pressure): compute it
+            return True
         if pool.residency != "resident":
             try:
                 fut = self.pools.ensure_resident(pool)

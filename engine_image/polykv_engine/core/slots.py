@@ -460,6 +460,13 @@ class SlotTable:
             self.kv.share(plan.share_seq, slot.slot_id, plan.keep, plan.reuse)
             slot.cache_tokens.extend(prompt[plan.keep : plan.reuse])
 
+    def unlink_pool(self, pool_id: int) -> None:
+        """The pool was removed: slots that start with its cells keep them, as their own."""
+        for slot in self.slots:
+            if slot.pool_id == pool_id:
+                slot.pool_id = None
+                slot.shared_prefix = 0
+
     def link_pool(self, slot: Slot, pool: Pool | None) -> int:
         """Keep ``slot.pool_id`` true (set while the slot's first cells are still ``pool``'s);
         returns how many leading cells the slot shares with ``pool``."""

@@ -57,6 +57,8 @@ class PoolSnapshot:
     prefix_len: int
     residency: str
     admission: AdmissionPolicy | None
+    owner: str | None = None  # a kept prefix's tenant (pools.kept); None: a declared pool
+    kept_until: float = 0.0
 
     @property
     def label(self) -> str:
@@ -94,7 +96,13 @@ class PublishedPools:
                 live.pop(pid, None)
                 continue
             snap = PoolSnapshot(
-                pool.pool_id, pool.name, pool.prefix_len, pool.residency, pool.admission
+                pool.pool_id,
+                pool.name,
+                pool.prefix_len,
+                pool.residency,
+                pool.admission,
+                pool.owner,
+                pool.kept_until,
             )
             live[pid] = index[pid] = snap  # replaced in place: the order stays creation order
             if pool.name is not None:

@@ -115,6 +115,7 @@ class GenerateTask:
     n_keep: int = 0
     pool_ref: PoolRef | None = None  # attach to this pool (id or name)
     pool_p: int | None = None  # explicit shared prefix length; None = auto-P
+    pool_kept: bool = False  # the pool is a kept prefix (pools.kept): if gone, run without
     logprobs: int | None = None  # report each token's logprob and this many alternatives
     spec: SpecParams | None = None  # None: the engine's default (--spec-type)
     preserved_tokens: frozenset[int] = frozenset()  # special tokens rendered as text

@@ -11,11 +11,13 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 
 from aiohttp import web
 
 from polykv_api.limits import default_body_bytes
+from polykv_engine.core import pool_ops
 from polykv_engine.core.engine import Engine
 from polykv_engine.http.admission_gate import AdmissionGate
 from polykv_engine.http.app_context import APP_KEY, AppContext, ServerSettings
@@ -90,6 +92,22 @@ def body_limit(engine: Engine, settings: ServerSettings) -> int:
     return default_body_bytes(n_ctx or UNKNOWN_CTX)
 
 
+KEPT_SWEEP_S = 1.0  # how often kept prefixes past their TTL are looked for
+
+
+async def expire_kept_prefixes(engine: Engine) -> None:
+    """Release kept prefixes whose TTL has passed (the engine thread is asked only when the
+    published snapshot shows one)."""
+    while True:
+        await asyncio.sleep(KEPT_SWEEP_S)
+        now = time.time()
+        snap = engine.snapshot
+        if any(p.owner is not None and p.kept_until <= now for p in snap.pools):
+            n = await asyncio.wrap_future(engine.call(partial(pool_ops.expire_kept, now=now)))
+            if n:
+                log.info("released %d kept prefix(es) past their TTL", n)
+
+
 def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
     app = web.Application(
         middlewares=[metrics_middleware, error_middleware, auth_middleware],
@@ -121,8 +139,14 @@ def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
         await ctx.gate.stop()  # type: ignore[union-attr]
         app[WORKER].shutdown(wait=False)
 
+    async def sweep_kept(_: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(expire_kept_prefixes(engine))
+        yield
+        task.cancel()
+
     app.on_startup.append(start_gate)
     app.on_cleanup.append(stop_gate)
+    app.cleanup_ctx.append(sweep_kept)
     return app
 
 

@@ -47,6 +47,8 @@ class ServerSettings:
     write_timeout_s: float = 600.0  # a client that reads nothing this long is dropped
     max_body_bytes: int | None = None  # None: derived from the context size (limits)
     n_predict: int = -1  # -n: the most tokens a request may generate (-1: no cap)
+    kept_prefixes: int = 8  # per tenant, for cache_control breakpoints (pools.kept)
+    kept_ttl_max_s: float = 3600.0
     # Which headers say who an agent is (polykv_api.agent_headers).
     session_headers: SessionHeaders = field(default_factory=SessionHeaders)
 

@@ -92,6 +92,11 @@ class EngineCollector(Collector):
             active.mean,
         )
         yield gauge("sessions_warming", "Sessions decoding with no rate yet", active.n_warming)
+        yield gauge(
+            "kept_prefixes",
+            "Prefixes kept for cache_control breakpoints, every tenant's (no per-pool series)",
+            sum(1 for p in snap.pools if p.owner is not None),
+        )
         yield gauge("kv_cells_used", "KV cells holding tokens", snap.kv_cells_used)
         yield gauge("kv_cells_total", "KV cells in the cache", snap.kv_cells_total)
         yield gauge(

@@ -10,6 +10,7 @@ after the headers went out.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from polykv_engine.chat.anthropic import stop_reason, tool_input
@@ -21,16 +22,25 @@ from polykv_engine.http.sse import Named, Payload, frame
 Block = Literal["text", "tool_use"]
 
 
-def usage(n_prompt: int, cached: int, output: int, breakpoints: bool) -> dict[str, int]:
-    """Every computed prompt token stays in the session's cache; it counts as cache
-    creation when the request marked a breakpoint (it asked for caching), as plain input
-    otherwise. The three input figures add up to the prompt's length."""
-    creation = n_prompt - cached if breakpoints else 0
+@dataclass(frozen=True, slots=True)
+class KeptPart:
+    """The prefix kept for the request's breakpoint (``pools.kept``)."""
+
+    length: int = 0  # its tokens (0: nothing kept)
+    computed: int = 0  # of them, computed now for this request
+
+
+def usage(n_prompt: int, cached: int, output: int, kept: KeptPart) -> dict[str, int]:
+    """Read: prompt tokens KV supplied that were not computed for this request; creation:
+    the kept prefix's tokens computed now; input: the rest (past the breakpoint, or not
+    kept). The three input figures add up to the prompt's length."""
+    read = max(0, cached - kept.computed)
+    creation = max(0, min(kept.length, n_prompt) - read)
     return {
-        "input_tokens": n_prompt - cached - creation,
+        "input_tokens": n_prompt - read - creation,
         "output_tokens": output,
         "cache_creation_input_tokens": creation,
-        "cache_read_input_tokens": cached,
+        "cache_read_input_tokens": read,
     }
 
 
@@ -38,16 +48,24 @@ class MessagesWire:
     keepalive = frame(Named("ping", {"type": "ping"}))
     operation = "chat"
 
-    def __init__(self, model: str, tools: ToolCallParser | None, breakpoints: bool) -> None:
+    def __init__(
+        self, model: str, tools: ToolCallParser | None, kept: KeptPart, task: GenerateTask
+    ) -> None:
         self.id = f"msg_{uuid.uuid4().hex}"
         self.model = model
         self.tools = tools
-        self.breakpoints = breakpoints
+        self._kept = kept
+        self._task = task
         self._open: Block | None = None  # the content block being streamed
         self._index = -1
 
+    @property
+    def kept(self) -> KeptPart:
+        """Nothing was kept when the prefix went before the request ran (it was computed)."""
+        return self._kept if self._task.pool_ref is not None else KeptPart()
+
     def _usage(self, r: GenerationResult) -> dict[str, int]:
-        return usage(r.n_prompt_tokens, r.cache_n, r.predicted_n, self.breakpoints)
+        return usage(r.n_prompt_tokens, r.cache_n, r.predicted_n, self.kept)
 
     def _whole_text(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         if self.tools is None:
@@ -86,7 +104,7 @@ class MessagesWire:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": usage(len(task.prompt), task.n_cached, 0, self.breakpoints),
+            "usage": usage(len(task.prompt), task.n_cached, 0, self.kept),
         }
         return [
             Named("message_start", {"type": "message_start", "message": message}),

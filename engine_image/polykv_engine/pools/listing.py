@@ -120,6 +120,7 @@ class _Attribution:
                 active_tps_sum=rates.tps_sum,
                 mean_active_tps=rates.mean,
                 admission=pool.admission,
+                kept_until=pool.kept_until if pool.kept else None,
             )
         return [statuses[p.pool_id] for p in subject]
 

@@ -49,6 +49,10 @@ class Build:
     pool: Pool
     rebuild: bool = False  # re-materializing an evicted pool (a failure leaves it evicted)
     started: bool = False
+    # A kept prefix's build starts from another kept prefix's cells [0, seed_len) when that
+    # one is resident by then (no tree link: either may go first); else it computes them.
+    seed: Pool | None = None
+    seed_len: int = 0
     batch_tokens: int = 0
     waiters: list[concurrent.futures.Future[None]] = field(default_factory=list)
 
@@ -93,6 +97,7 @@ class PoolManager:
         session_tokens: Callable[[str], tuple[int | None, list[int]] | None],
         state_bytes: int = 0,
         extend_only: bool = False,
+        on_removed: Callable[[int], None] = lambda pool_id: None,
     ) -> None:
         self.kv = kv
         self.tree = PoolTree(seq_ids, extend_only)
@@ -100,6 +105,7 @@ class PoolManager:
         self.state_bytes = state_bytes  # a recurrent state, per sequence that computed tokens
         self.grace_s = grace_s
         self._session_tokens = session_tokens
+        self._on_removed = on_removed  # sessions linked to a removed pool are no longer
         self.builds: list[Build] = []
 
     # ------------------------------------------------------------------ create / fork
@@ -107,6 +113,13 @@ class PoolManager:
     def create(self, spec: PoolSpec) -> CreateResult | Pool:
         """Validate, register and start materializing. A dry run returns the planned Pool."""
         parent = self.tree.resolve(spec.parent) if spec.parent is not None else None
+        if parent is not None and parent.kept:
+            raise PoolError(
+                409,
+                "not_supported",
+                f"pool {parent.label!r} is a kept prefix (a tenant's cache_control "
+                "breakpoint), which is never a parent: fork a declared pool",
+            )
         tokens, src_slot = self._prefix_tokens(spec)
         existing = self.tree.existing_for(spec.name, tokens, parent)
         if existing is not None:
@@ -121,6 +134,7 @@ class PoolManager:
             return planned
         if parent is not None and parent.residency == "evicted":
             self.ensure_resident(parent)  # the child's build waits for the parent's
+        self.free_seq_from_kept()
         pool = self.tree.add(planned)
         if src_slot is not None:
             # Snapshot of a live session: its cells already hold [0, L). Share them.
@@ -168,6 +182,26 @@ class PoolManager:
             )
         return tokens, slot_id
 
+    def keep(
+        self, tokens: list[int], owner: str, until: float, seed: Pool | None, seed_len: int
+    ) -> Pool:
+        """A kept prefix (``pools.kept``): a root pool of ``owner``'s, built from ``seed``'s
+        cells ``[0, seed_len)`` when it has them by then. PoolError when no sequence id is
+        free."""
+        pool = self.tree.add(self.tree.plan_root(tokens, None))
+        pool.owner, pool.kept_until = owner, until
+        self.builds.append(Build(pool, seed=seed, seed_len=seed_len if seed is not None else 0))
+        return pool
+
+    def free_seq_from_kept(self) -> None:
+        """Declared pools come before kept prefixes: when no sequence id is free, the least
+        recently used resident kept prefix goes (its sessions keep their cells)."""
+        if self.tree.seq_free():
+            return
+        kept = [p for p in self.tree.pools.values() if p.kept and p.residency == "resident"]
+        if kept:
+            self.release(min(kept, key=lambda p: p.last_access_ts))
+
     def _waiter(self, build: Build) -> concurrent.futures.Future[None]:
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
         build.waiters.append(fut)
@@ -185,6 +219,7 @@ class PoolManager:
         assert pool.residency == "evicted"
         if pool.parent_id is not None:
             self.ensure_resident(self.tree.pools[pool.parent_id])
+        self.free_seq_from_kept()
         self.tree.give_seq(pool)
         self.tree.set_residency(pool, "materializing")
         pool.n_materialized = 0
@@ -211,6 +246,8 @@ class PoolManager:
                     assert parent.seq_id is not None
                     self.kv.share(parent.seq_id, pool.seq_id, 0, pool.branch_pos)
                     pool.n_materialized = pool.branch_pos
+                elif build.seed is not None and not self._seed(build):
+                    continue  # the seed is still materializing
                 build.started = True
             n = min(pool.prefix_len - pool.n_materialized, budget)
             if n <= 0:
@@ -221,6 +258,20 @@ class PoolManager:
             build.batch_tokens = n
             budget -= n
         return budget
+
+    def _seed(self, build: Build) -> bool:
+        """Share the seed's cells into the build's pool if it is resident; False while it
+        is still materializing (a seed that is gone is no seed: all is computed)."""
+        seed, pool = build.seed, build.pool
+        assert seed is not None and pool.seq_id is not None
+        if self.tree.pools.get(seed.pool_id) is not seed:
+            return True
+        if seed.residency == "materializing":
+            return False
+        if seed.residency == "resident" and seed.seq_id is not None:
+            self.kv.share(seed.seq_id, pool.seq_id, 0, build.seed_len)
+            pool.n_materialized = build.seed_len
+        return True
 
     def after_decode(self) -> int:
         """Account decoded chunks; finish builds that are complete. Returns tokens prefilled."""
@@ -244,7 +295,8 @@ class PoolManager:
     def pending_tokens(self) -> int:
         """Prefix tokens the builds still have to compute."""
         return sum(
-            b.pool.prefix_len - (b.pool.n_materialized if b.started else b.pool.branch_pos)
+            b.pool.prefix_len
+            - (b.pool.n_materialized if b.started else b.pool.branch_pos + b.seed_len)
             for b in self.builds
         )
 
@@ -269,7 +321,7 @@ class PoolManager:
         else:
             if pool.seq_id is not None:
                 self.kv.clear(pool.seq_id)
-            self.tree.remove(pool)
+            self._remove(pool)
         for fut in build.waiters:
             _settle(fut, error)
 
@@ -316,9 +368,17 @@ class PoolManager:
             )
         self._evict_now(pool)
 
+    def _remove(self, pool: Pool) -> None:
+        self.tree.remove(pool)
+        self._on_removed(pool.pool_id)
+
     def _evict_now(self, pool: Pool) -> None:
         if pool.seq_id is not None:
             self.kv.clear(pool.seq_id)
+        if pool.kept:  # a cache of the tenant's: evicted, it is gone (nothing rebuilds it)
+            self._remove(pool)
+            log.info("kept prefix %s: released", pool.label)
+            return
         self.tree.give_back_seq(pool)
         self.tree.set_residency(pool, "evicted")
         pool.n_materialized = 0
@@ -368,7 +428,7 @@ class PoolManager:
                 return
         if pool.seq_id is not None:
             self.kv.clear(pool.seq_id)
-        self.tree.remove(pool)
+        self._remove(pool)
         log.info("pool %s: released", pool.label)
 
     def reclaimable(self, slots: Sequence[AttachedSlot], now: float) -> list[Pool]:

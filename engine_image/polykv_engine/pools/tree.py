@@ -82,6 +82,14 @@ class Pool:
     last_access_ts: float = field(default_factory=time.time)
     n_materialized: int = 0  # positions of the pool's sequence that are in KV
     admission: AdmissionPolicy | None = None
+    # A kept prefix (pools.kept): the tenant whose cache_control breakpoint it holds, and
+    # until when. None: a declared pool, shared by design.
+    owner: str | None = None
+    kept_until: float = 0.0
+
+    @property
+    def kept(self) -> bool:
+        return self.owner is not None
 
     @property
     def prefix_len(self) -> int:
@@ -113,15 +121,16 @@ class PoolTree:
 
     # ------------------------------------------------------------------ lookup
 
-    def resolve(self, ref: PoolRef) -> Pool:
-        """A pool by id (int or all-digit string) or by name; 404 when absent."""
+    def resolve(self, ref: PoolRef, tenant: str | None = None) -> Pool:
+        """A pool by id (int or all-digit string) or by name; 404 when absent, or when it is
+        another tenant's kept prefix and ``tenant`` is the one asking."""
         number = ref if isinstance(ref, int) else decimal(ref)
         if number is not None:
             pool = self.pools.get(number)
         else:
             pid = self._by_name.get(str(ref))
             pool = self.pools.get(pid) if pid is not None else None
-        if pool is None:
+        if pool is None or (tenant is not None and pool.kept and pool.owner != tenant):
             raise PoolError(
                 404, "pool_not_found", f"pool {ref!r} does not exist", "not_found_error"
             )
@@ -272,6 +281,9 @@ class PoolTree:
         pool.seq_id = self._free_seqs.pop()
         self.by_seq[pool.seq_id] = pool
         self.mark(pool)
+
+    def seq_free(self) -> bool:
+        return bool(self._free_seqs)
 
     def _check_seq_free(self) -> None:
         if not self._free_seqs:

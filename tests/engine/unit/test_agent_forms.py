@@ -8,9 +8,17 @@ from typing import Any
 import pytest
 
 from polykv_api.anthropic import MessagesRequest
-from polykv_engine.chat.anthropic import chat_form, stop_reason, tool_input
+from polykv_engine.chat.anthropic import (
+    BREAKPOINT_MARK,
+    chat_form,
+    mark_last_breakpoint,
+    stop_reason,
+    tool_input,
+)
 from polykv_engine.chat.turns import ChatForm
+from polykv_engine.http.wire_anthropic import KeptPart, usage
 from polykv_engine.llama.grammar import from_schema, int_range
+from polykv_engine.pools import kept
 
 
 def text(t: str) -> dict[str, str]:
@@ -125,3 +133,61 @@ def test_integer_bounds_up_to_2_53_stay_small() -> None:
     assert (
         len(from_schema({"type": "integer", "minimum": -(2**53) + 1, "maximum": 2**53 - 1})) < 8000
     )
+
+
+def test_the_last_breakpoint_is_marked_in_anthropics_order() -> None:
+    tool = {"name": "t", "input_schema": {"type": "object"}, "cache_control": {"type": "ephemeral"}}
+    ask = {"role": "user", "content": [text("Hi.")]}
+    marked = mark_last_breakpoint(
+        MessagesRequest.model_validate({"max_tokens": 1, "messages": [ask], "tools": [tool]})
+    )
+    assert marked is not None and marked.tools is not None
+    assert marked.tools[0].description == BREAKPOINT_MARK  # the tool, the only one
+    system = [text("Be brief."), {**text("Rules."), "cache_control": {"type": "ephemeral"}}]
+    body = {"max_tokens": 1, "messages": [ask], "tools": [tool], "system": system}
+    marked = mark_last_breakpoint(MessagesRequest.model_validate(body))
+    assert marked is not None and isinstance(marked.system, list)
+    assert marked.system[1].text == "Rules." + BREAKPOINT_MARK  # system comes after tools
+    assert marked.tools is not None and marked.tools[0].description is None
+    call = {"type": "tool_use", "id": "c1", "name": "t", "input": {"a": 1},
+            "cache_control": {"type": "ephemeral"}}  # fmt: skip
+    turns = [ask, {"role": "assistant", "content": [call]}]
+    marked = mark_last_breakpoint(MessagesRequest.model_validate({**body, "messages": turns}))
+    assert marked is not None
+    assert marked.messages[1].content[0].input == {"a": 1, BREAKPOINT_MARK: ""}  # type: ignore[union-attr]
+    top = MessagesRequest.model_validate({**body, "cache_control": {"type": "ephemeral"}})
+    marked = mark_last_breakpoint(top)
+    assert marked is not None and marked.messages[-1].content[-1].text == "Hi." + BREAKPOINT_MARK  # type: ignore[union-attr]
+    assert top.messages[-1].content[-1].text == "Hi."  # type: ignore[union-attr]  # a copy
+    plain = MessagesRequest.model_validate({"max_tokens": 1, "messages": [ask]})
+    assert mark_last_breakpoint(plain) is None and plain.cache_ttl() is None
+
+
+def test_a_request_keeps_for_the_longest_ttl_its_breakpoints_ask() -> None:
+    five = {**text("a"), "cache_control": {"type": "ephemeral"}}
+    hour = {**text("b"), "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+
+    def ttl(*system: dict[str, Any]) -> str | None:
+        body = {
+            "max_tokens": 1,
+            "system": list(system),
+            "messages": [{"role": "user", "content": "x"}],
+        }
+        return MessagesRequest.model_validate(body).cache_ttl()
+
+    assert ttl(five) == "5m" and ttl(hour, five) == "1h" and ttl(text("c")) is None
+    assert kept.ttl_s("1h", 3600) == 3600 and kept.ttl_s(None, 3600) == 300
+    assert kept.ttl_s("1h", 2) == 2
+
+
+def test_usage_splits_read_created_and_plain_input() -> None:
+    # A kept prefix of 100 tokens, 60 computed now (40 seeded from another): 40 read.
+    u = usage(130, 100, 5, KeptPart(100, 60))
+    assert (u["cache_read_input_tokens"], u["cache_creation_input_tokens"]) == (40, 60)
+    assert u["input_tokens"] == 30 and u["output_tokens"] == 5
+    # Kept already: all of it read, and the session's cache beyond it too.
+    u = usage(130, 120, 5, KeptPart(100, 0))
+    assert (u["cache_read_input_tokens"], u["cache_creation_input_tokens"]) == (120, 0)
+    # Nothing kept: computed tokens are plain input.
+    u = usage(130, 10, 5, KeptPart())
+    assert (u["input_tokens"], u["cache_creation_input_tokens"]) == (120, 0)

@@ -526,6 +526,7 @@ class PreparedChat:
     grammar: CompiledGrammar | None
     prompt: list[int]
     preserved: frozenset[int]  # special tokens the output shows as text (tool markers)
+    text: str  # the rendered prompt
 
     def parser(self) -> ToolCallParser | None:
         plan = self.plan
@@ -572,7 +573,7 @@ def prepare_chat(
     if must_fit:
         ctx.check_prompt_fits(prompt)
     preserved = ctx.special_tokens(plan.markers) if plan is not None else frozenset()
-    return PreparedChat(plan, compiled, prompt, preserved)
+    return PreparedChat(plan, compiled, prompt, preserved, text)
 
 
 def _response_format(req: ChatCompletionRequest) -> OutputSchema | None:

@@ -260,6 +260,8 @@ async def _pool_gauges(ctx: AppContext) -> list[PoolGauges]:
     snap = ctx.engine.snapshot
     rows = []
     for p in listing.pools:
+        if p.kept_until is not None:
+            continue  # unnamed and short-lived: counted in polykv_kept_prefixes instead
         decoding = [s.tps_ewma for s in p.sessions if s.state == "decoding"]
         pool = snap.pool(p.pool_id)
         pressure = ctx.gate.capacity(pool, None, None).compaction_pressure if pool else 0.0

@@ -270,12 +270,12 @@ async def get_capacity(request: web.Request) -> web.Response:
     expected = _int_query(request, "expected_tokens")
     session = request.query.get("session_id") or request.headers.get("x-session-id")
     pool = ctx.engine.snapshot.pool(ref)
-    if pool is None:
+    who = identity_of(request)
+    if pool is None or (pool.owner is not None and not who.sees(pool.owner)):
         raise ApiError(
             404, f"pool {ref!r} does not exist", "not_found_error", reason="pool_not_found"
         )
     assert ctx.gate is not None
-    who = identity_of(request)
     cap = ctx.gate.capacity(pool, expected, session, None if who.admin else who.tenant)
     body = CapacityReport(
         pool_id=pool.pool_id,
