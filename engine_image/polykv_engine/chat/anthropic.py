@@ -24,6 +24,7 @@ from polykv_api.anthropic import (
 )
 from polykv_api.models import ChatMessage
 from polykv_engine.chat.turns import (
+    PREFIX_MARK,
     ChatForm,
     Role,
     add_call,
@@ -109,35 +110,30 @@ def chat_form(req: MessagesRequest) -> ChatForm:
     return ChatForm(_chat_messages(req), _tools(req), choice, parallel)
 
 
-# Put right after the content a breakpoint closes: the rendered prompt and the rendered
-# marked prompt part there, which is how far the breakpoint's prefix reaches in tokens.
-BREAKPOINT_MARK = "\u2063[polykv-breakpoint]"
-
-
 def _mark_tool(tool: Tool) -> None:
-    tool.description = (tool.description or "") + BREAKPOINT_MARK
+    tool.description = (tool.description or "") + PREFIX_MARK
 
 
 def _mark_block(block: TextBlock | ToolUseBlock | ToolResultBlock) -> None:
     if isinstance(block, TextBlock):
-        block.text += BREAKPOINT_MARK
+        block.text += PREFIX_MARK
     elif isinstance(block, ToolUseBlock):
-        block.input = {**block.input, BREAKPOINT_MARK: ""}
+        block.input = {**block.input, PREFIX_MARK: ""}
     elif isinstance(block.content, str) or not block.content:
-        block.content = f"{block.text()}{BREAKPOINT_MARK}"
+        block.content = f"{block.text()}{PREFIX_MARK}"
     else:
-        block.content[-1].text += BREAKPOINT_MARK
+        block.content[-1].text += PREFIX_MARK
 
 
 def _mark_message(message: Message) -> None:
     if isinstance(message.content, str):
-        message.content += BREAKPOINT_MARK
+        message.content += PREFIX_MARK
     elif message.content:
         _mark_block(message.content[-1])
 
 
 def mark_last_breakpoint(req: MessagesRequest) -> MessagesRequest | None:
-    """A copy of ``req`` with ``BREAKPOINT_MARK`` after the content of its last
+    """A copy of ``req`` with ``PREFIX_MARK`` after the content of its last
     ``cache_control`` breakpoint, in Anthropic's order (tools, system, messages; a top-level
     one marks the last message's end); None without a breakpoint."""
     out = req.model_copy(deep=True)

@@ -16,6 +16,10 @@ from polykv_api.models import ChatMessage
 
 Role = Literal["system", "user", "assistant"]
 
+# Put into a request where a kept prefix ends: the prompt rendered with it and the prompt
+# rendered without it part there, which is how far the prefix reaches in tokens.
+PREFIX_MARK = "\u2063[polykv-prefix-end]"
+
 
 @dataclass(frozen=True, slots=True)
 class ChatForm:
@@ -57,6 +61,16 @@ def add_call(out: list[ChatMessage], call: dict[str, Any]) -> None:
 
 def add_result(out: list[ChatMessage], call_id: str, text: str) -> None:
     out.append(ChatMessage(role="tool", content=text, tool_call_id=call_id))
+
+
+def mark_last_user(messages: list[ChatMessage]) -> list[ChatMessage] | None:
+    """The messages with ``PREFIX_MARK`` opening the last user turn's text (all before it is
+    what the next turn of the conversation shares); None without a user turn."""
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].role == "user":
+            marked = messages[i].model_copy(update={"content": PREFIX_MARK + messages[i].text()})
+            return [*messages[:i], marked, *messages[i + 1 :]]
+    return None
 
 
 def function_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:

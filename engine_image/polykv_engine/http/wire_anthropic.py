@@ -10,24 +10,16 @@ after the headers went out.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from polykv_engine.chat.anthropic import stop_reason, tool_input
 from polykv_engine.chat.tools import ArgsDelta, CallStart, ContentDelta, Delta, ToolCallParser
 from polykv_engine.core.tasks import GenerateTask, GenerationResult, TokenEvent
 from polykv_engine.http.errors import ApiError, anthropic_error
+from polykv_engine.http.kept_prefix import KeptPart
 from polykv_engine.http.sse import Named, Payload, frame
 
 Block = Literal["text", "tool_use"]
-
-
-@dataclass(frozen=True, slots=True)
-class KeptPart:
-    """The prefix kept for the request's breakpoint (``pools.kept``)."""
-
-    length: int = 0  # its tokens (0: nothing kept)
-    computed: int = 0  # of them, computed now for this request
 
 
 def usage(n_prompt: int, cached: int, output: int, kept: KeptPart) -> dict[str, int]:
@@ -61,8 +53,7 @@ class MessagesWire:
 
     @property
     def kept(self) -> KeptPart:
-        """Nothing was kept when the prefix went before the request ran (it was computed)."""
-        return self._kept if self._task.pool_ref is not None else KeptPart()
+        return self._kept.held(self._task)
 
     def _usage(self, r: GenerationResult) -> dict[str, int]:
         return usage(r.n_prompt_tokens, r.cache_n, r.predicted_n, self.kept)

@@ -23,16 +23,18 @@ from polykv_engine.chat.tools import ArgsDelta, CallStart, ContentDelta, Delta, 
 from polykv_engine.chat.turns import function_call
 from polykv_engine.core.tasks import GenerateTask, GenerationResult, TokenEvent
 from polykv_engine.http.errors import ApiError
+from polykv_engine.http.kept_prefix import KeptPart
 from polykv_engine.http.sse import Named, Payload
 
 
-def usage(n_prompt: int, cached: int, output: int) -> dict[str, Any]:
+def usage(n_prompt: int, cached: int, output: int, kept: KeptPart) -> dict[str, Any]:
     """Every computed prompt token is kept in the session's cache: written, in OpenAI's
-    words; ``cached_tokens`` came from KV (a pool, the session's own cache, or another of
-    the tenant's sequences)."""
+    words; ``cached_tokens`` came from KV (a kept prefix, a pool, the session's own cache,
+    or another of the tenant's sequences) and were not computed for this request."""
+    read = max(0, cached - kept.computed)
     return {
         "input_tokens": n_prompt,
-        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": n_prompt - cached},
+        "input_tokens_details": {"cached_tokens": read, "cache_write_tokens": n_prompt - read},
         "output_tokens": output,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": n_prompt + output,
@@ -50,8 +52,12 @@ class ResponsesWire:
         req: ResponsesRequest,
         tools: ToolCallParser | None,
         on_done: Callable[[ChatMessage], None],
+        task: GenerateTask,
+        kept: KeptPart,
     ) -> None:
         self.id = response_id
+        self._task = task
+        self._kept = kept
         self.model = model
         self.req = req
         self.tools = tools
@@ -63,6 +69,9 @@ class ResponsesWire:
 
     # ------------------------------------------------------------------ bodies
 
+    def _usage(self, r: GenerationResult) -> dict[str, Any]:
+        return usage(r.n_prompt_tokens, r.cache_n, r.predicted_n, self._kept.held(self._task))
+
     def response(self, status: str, r: GenerationResult | None = None) -> dict[str, Any]:
         req = self.req
         cut = r is not None and r.stop_type == "limit"
@@ -73,7 +82,7 @@ class ResponsesWire:
             "status": "incomplete" if cut else status,
             "model": self.model,
             "output": self.items,
-            "usage": usage(r.n_prompt_tokens, r.cache_n, r.predicted_n) if r else None,
+            "usage": self._usage(r) if r else None,
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "previous_response_id": req.previous_response_id,
             "instructions": req.instructions,

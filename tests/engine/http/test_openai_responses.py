@@ -214,6 +214,36 @@ def test_prompt_cache_key_keys_the_session_or_names_a_pool(
         raw.delete("/polykv/pools/pck-pool")
 
 
+def test_prompt_cache_key_keeps_the_prefix_for_later_sessions(
+    engine: EngineProcess, raw: httpx.Client
+) -> None:
+    """As OpenAI caches prompt prefixes, a ``prompt_cache_key`` keeps the prompt up to its
+    newest user turn (instructions and tools): a later session, with another key, after
+    the first one ended, reads it (``cached_tokens``)."""
+    client = sdk(engine)
+    kw: dict[str, Any] = dict(
+        model="m", instructions="You run errands for the crew, one at a time. " * 10,
+        tools=[WEATHER, TIME], max_output_tokens=2, extra_body={"temperature": 0},
+    )  # fmt: skip
+    final = {"x-session-final": "true"}
+    first = client.responses.create(
+        **kw, input="Plan the trip.", prompt_cache_key="pck-run-1", extra_headers=final
+    )
+    assert first.usage is not None
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    assert raw.get("/polykv/sessions/pck-run-1").status_code == 404  # its cache went
+    second = client.responses.create(**kw, input="Check the weather.", prompt_cache_key="pck-run-2")
+    assert second.usage is not None
+    read = second.usage.input_tokens_details.cached_tokens
+    pools = raw.get("/polykv/pools").json()["pools"]
+    lengths = [p["prefix_len"] for p in pools if p["kept_until"] is not None]
+    assert read > 64 and read in lengths, (read, lengths)
+    # Without a key nothing more is kept.
+    client.responses.create(**kw, input="Book it.", extra_headers=final)
+    pools = raw.get("/polykv/pools").json()["pools"]
+    assert len([p for p in pools if p["kept_until"] is not None]) == len(lengths)
+
+
 def _refused(raw: httpx.Client, body: dict[str, Any], *needles: str) -> None:
     r = raw.post("/v1/responses", json={"model": "m", "input": "x", **body})
     assert r.status_code == 400, r.text

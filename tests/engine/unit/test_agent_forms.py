@@ -9,14 +9,14 @@ import pytest
 
 from polykv_api.anthropic import MessagesRequest
 from polykv_engine.chat.anthropic import (
-    BREAKPOINT_MARK,
     chat_form,
     mark_last_breakpoint,
     stop_reason,
     tool_input,
 )
-from polykv_engine.chat.turns import ChatForm
-from polykv_engine.http.wire_anthropic import KeptPart, usage
+from polykv_engine.chat.turns import PREFIX_MARK, ChatForm
+from polykv_engine.http.kept_prefix import KeptPart
+from polykv_engine.http.wire_anthropic import usage
 from polykv_engine.llama.grammar import from_schema, int_range
 from polykv_engine.pools import kept
 
@@ -142,22 +142,22 @@ def test_the_last_breakpoint_is_marked_in_anthropics_order() -> None:
         MessagesRequest.model_validate({"max_tokens": 1, "messages": [ask], "tools": [tool]})
     )
     assert marked is not None and marked.tools is not None
-    assert marked.tools[0].description == BREAKPOINT_MARK  # the tool, the only one
+    assert marked.tools[0].description == PREFIX_MARK  # the tool, the only one
     system = [text("Be brief."), {**text("Rules."), "cache_control": {"type": "ephemeral"}}]
     body = {"max_tokens": 1, "messages": [ask], "tools": [tool], "system": system}
     marked = mark_last_breakpoint(MessagesRequest.model_validate(body))
     assert marked is not None and isinstance(marked.system, list)
-    assert marked.system[1].text == "Rules." + BREAKPOINT_MARK  # system comes after tools
+    assert marked.system[1].text == "Rules." + PREFIX_MARK  # system comes after tools
     assert marked.tools is not None and marked.tools[0].description is None
     call = {"type": "tool_use", "id": "c1", "name": "t", "input": {"a": 1},
             "cache_control": {"type": "ephemeral"}}  # fmt: skip
     turns = [ask, {"role": "assistant", "content": [call]}]
     marked = mark_last_breakpoint(MessagesRequest.model_validate({**body, "messages": turns}))
     assert marked is not None
-    assert marked.messages[1].content[0].input == {"a": 1, BREAKPOINT_MARK: ""}  # type: ignore[union-attr]
+    assert marked.messages[1].content[0].input == {"a": 1, PREFIX_MARK: ""}  # type: ignore[union-attr]
     top = MessagesRequest.model_validate({**body, "cache_control": {"type": "ephemeral"}})
     marked = mark_last_breakpoint(top)
-    assert marked is not None and marked.messages[-1].content[-1].text == "Hi." + BREAKPOINT_MARK  # type: ignore[union-attr]
+    assert marked is not None and marked.messages[-1].content[-1].text == "Hi." + PREFIX_MARK  # type: ignore[union-attr]
     assert top.messages[-1].content[-1].text == "Hi."  # type: ignore[union-attr]  # a copy
     plain = MessagesRequest.model_validate({"max_tokens": 1, "messages": [ask]})
     assert mark_last_breakpoint(plain) is None and plain.cache_ttl() is None

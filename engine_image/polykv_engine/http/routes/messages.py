@@ -6,24 +6,21 @@ the same bounds, the same off-loop preparation, admission gate, sessions and poo
 take Anthropic's shape (``http/errors.py``). The ``?beta=true`` query and the
 ``anthropic-beta`` / ``anthropic-version`` headers are accepted and not needed.
 
-A ``cache_control`` breakpoint keeps the prefix up to it (``pools.kept``): its length in
-tokens is where the prompt rendered with a mark after the breakpoint's content parts from
-the prompt itself; the request then attaches the tenant's kept prefix for it.
+A ``cache_control`` breakpoint keeps the prefix up to it (``http.kept_prefix``): the request
+then attaches the tenant's kept prefix for it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 from aiohttp import web
 
 from polykv_api.anthropic import CountTokensRequest, MessagesRequest
 from polykv_engine.chat.anthropic import chat_form, mark_last_breakpoint
 from polykv_engine.chat.turns import ChatForm
-from polykv_engine.core import pool_ops
+from polykv_engine.http import kept_prefix
 from polykv_engine.http.app_context import AppContext, ctx_of
-from polykv_engine.http.auth import identity_of
 from polykv_engine.http.errors import ApiError, body_bytes, parse
 from polykv_engine.http.offload import offload
 from polykv_engine.http.routes.inference import (
@@ -35,9 +32,7 @@ from polykv_engine.http.routes.inference import (
     run,
     task_from,
 )
-from polykv_engine.http.wire_anthropic import KeptPart, MessagesWire
-from polykv_engine.pools import kept
-from polykv_engine.tokens import common_prefix_len
+from polykv_engine.http.wire_anthropic import MessagesWire
 
 
 def _output(req: MessagesRequest) -> OutputSchema | None:
@@ -65,47 +60,25 @@ def _prepare(ctx: AppContext, req: MessagesRequest, must_fit: bool = True) -> Pr
     )
 
 
-def _breakpoint_len(ctx: AppContext, req: MessagesRequest, chat: PreparedChat) -> int:
-    """How many of the prompt's tokens its last breakpoint closes (0: none, or the template
-    does not show where)."""
-    marked = mark_last_breakpoint(req)
-    if marked is None:
-        return 0
-    form = _form(marked)
-    text = ctx.render_messages(form.messages, form.tools, True)
-    end = common_prefix_len(chat.text, text)
-    if end == len(chat.text):
-        return 0
-    head = ctx.rt.tokenize(chat.text[:end], add_special=True, parse_special=True)
-    return common_prefix_len(head, chat.prompt)
-
-
 def _prepare_kept(ctx: AppContext, req: MessagesRequest, keeps: bool) -> tuple[PreparedChat, int]:
+    """The chat, and how many of its tokens the request's last breakpoint closes (0: none,
+    or not kept)."""
     chat = _prepare(ctx, req)
-    return chat, _breakpoint_len(ctx, req, chat) if keeps else 0
-
-
-async def _keep(
-    request: web.Request, req: MessagesRequest, prompt: list[int], n: int
-) -> kept.Kept | None:
-    """The tenant's kept prefix for the first ``n`` prompt tokens (on the engine thread)."""
-    ctx = ctx_of(request)
-    settings = ctx.settings
-    until = time.time() + kept.ttl_s(req.cache_ttl(), settings.kept_ttl_max_s)
-    ask = kept.KeepAsk(identity_of(request).tenant, prompt[:n], until)
-    budget = settings.kept_prefixes
-    return await asyncio.wrap_future(
-        ctx.engine.call(lambda e: pool_ops.keep_prefix(e, ask, budget))
-    )
+    marked = mark_last_breakpoint(req) if keeps else None
+    if marked is None:
+        return chat, 0
+    form = _form(marked)
+    return chat, kept_prefix.prefix_len(ctx, chat.text, chat.prompt, form.messages, form.tools)
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     ctx = ctx_of(request)
     req = await parse(request, MessagesRequest)
     check_repeat_last_n(ctx, req)
-    keeps = ctx.settings.kept_prefixes > 0 and req.pool_ref() is None and req.cache_ttl()
+    ttl = req.cache_ttl()
+    keeps = kept_prefix.keeps(ctx, ttl is not None, req.pool_ref() is not None)
     chat, n_kept = await offload(
-        request, body_bytes(request), _prepare_kept, ctx, req, bool(keeps), inline=False
+        request, body_bytes(request), _prepare_kept, ctx, req, keeps, inline=False
     )
     sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     task = task_from(
@@ -118,11 +91,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         preserved=chat.preserved,
         stops=[*req.stop_sequences, *req.stop],
     )
-    held = await _keep(request, req, chat.prompt, n_kept) if n_kept else None
-    part = KeptPart()
-    if held is not None:
-        task.pool_ref, task.pool_kept = held.pool_id, True
-        part = KeptPart(n_kept, held.computed)
+    part = await kept_prefix.keep(request, task, n_kept, ttl)
     wire = MessagesWire(req.model or ctx.model_name, chat.parser(), part, task)
     return await run(request, ctx, req, task, sink, wire)
 

@@ -6,6 +6,11 @@ like any chat request. Which session it is: the body's ``session_id`` or an agen
 names a pool on this engine: then the request attaches to that pool), else the session of
 ``previous_response_id``, else a session of its own named after the response. A response's
 turns are kept for ``previous_response_id`` while its session is (``response_store.py``).
+
+A ``prompt_cache_key`` that names no pool also asks for the prompt's prefix before its
+newest user turn (instructions, tools, the conversation so far) to be kept for five minutes,
+as OpenAI caches prompt prefixes: the tenant's later requests, in any session, read it
+(``http.kept_prefix``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from aiohttp import web
 from polykv_api.models import ChatMessage
 from polykv_api.openai_responses import ResponsesRequest
 from polykv_engine.chat.openai_responses import chat_form
+from polykv_engine.chat.turns import mark_last_user
+from polykv_engine.http import kept_prefix
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.auth import identity_of
 from polykv_engine.http.errors import ApiError, body_bytes, parse
@@ -45,8 +52,10 @@ def _output(req: ResponsesRequest) -> OutputSchema | None:
 
 
 def _prepare(
-    ctx: AppContext, req: ResponsesRequest, earlier: list[ChatMessage]
-) -> tuple[PreparedChat, list[ChatMessage]]:
+    ctx: AppContext, req: ResponsesRequest, earlier: list[ChatMessage], keeps: bool
+) -> tuple[PreparedChat, list[ChatMessage], int]:
+    """The chat, the conversation so far, and how many of its tokens come before the
+    newest user turn when the prefix is to be kept (else 0)."""
     try:
         form, history = chat_form(req, earlier)
     except ValueError as exc:
@@ -54,7 +63,11 @@ def _prepare(
     chat = prepare_chat(
         ctx, form.messages, form.tools, form.tool_choice, form.parallel_tool_calls, _output(req)
     )
-    return chat, history
+    marked = mark_last_user(form.messages) if keeps else None
+    if marked is None:
+        return chat, history, 0
+    n = kept_prefix.prefix_len(ctx, chat.text, chat.prompt, marked, form.tools)
+    return chat, history, n
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
@@ -85,8 +98,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if identity.session is None:
         key = None if names_pool else cache_key
         identity = dataclasses.replace(identity, session=key or earlier_session or response_id)
-    chat, history = await offload(
-        request, body_bytes(request), _prepare, ctx, req, earlier, inline=False
+    keeps = kept_prefix.keeps(ctx, cache_key is not None, req.pool_ref() is not None)
+    chat, history, n_kept = await offload(
+        request, body_bytes(request), _prepare, ctx, req, earlier, keeps, inline=False
     )
     sink = QueueSink(asyncio.get_running_loop(), req.stream, ctx.settings.stream_interval_s)
     limit = -1 if req.max_output_tokens is None else req.max_output_tokens
@@ -107,7 +121,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
         kept = (*history, turn)
         ctx.responses.put(tenant, response_id, Stored(session, kept, size_of(kept)))
 
-    wire = ResponsesWire(response_id, req.model or ctx.model_name, req, chat.parser(), keep)
+    part = await kept_prefix.keep(request, task, n_kept, None)
+    model = req.model or ctx.model_name
+    wire = ResponsesWire(response_id, model, req, chat.parser(), keep, task, part)
     return await run(request, ctx, req, task, sink, wire)
 
 
