@@ -204,17 +204,17 @@ def forbidden_lines(text: str, windows: Sequence[tuple[datetime, datetime]] = ()
 # ----------------------------------------------------------------------------- helpers
 
 
-def engine_manifest(name: str = "eng", replicas: int = 1) -> Obj:
+def engine_manifest(name: str = "eng", replicas: int = 1, preset: str = "test") -> Obj:
+    """An engine on a generated model (``preset``: polykv-make-model's)."""
+    path = f"/models/polykv-{preset}.gguf"
     return {
         "apiVersion": "polykv.io/v1alpha1",
         "kind": "PolyKVEngine",
         "metadata": {"name": name},
         "spec": {
             "model": {
-                "path": "/models/polykv-test.gguf",
-                "init": {
-                    "command": ["polykv-make-model", "--preset", "test", "/models/polykv-test.gguf"]
-                },
+                "path": path,
+                "init": {"command": ["polykv-make-model", "--preset", preset, path]},
             },
             "replicas": replicas,
             "parallel": 2,
@@ -686,6 +686,33 @@ def test_invalid_specs_stall_with_a_precise_reason(
         return refs.get("ownerReferences") or None
 
     assert eventually("ownerReference to the new parent", linked, 30)[0]["name"] == "agent-rot"
+
+
+def test_a_branch_below_its_parent_on_a_recurrent_model_stalls_with_the_reason(
+    k8s_cluster: ControlPlane, namespace: str, operator: Operator
+) -> None:
+    # A Mamba engine: its state exists only at the end of a prefix, so a child pool must
+    # extend its parent. A child that leaves the parent's text inside it (the operator
+    # computes a branchPos below the parent's length) is refused by the engine with the
+    # code recurrent_branch, which the pool shows as its Stalled reason, with the fix.
+    root_text = "You are the crew. Cite sources and be brief in every answer.\n"
+    apply(
+        k8s_cluster,
+        namespace,
+        engine_manifest("rec", preset="test-mamba"),
+        pool_manifest("rec-root", engine="rec", text=root_text),
+        pool_manifest("rec-ext", engine="rec", parent="rec-root", text=root_text + "Tools: web."),
+        pool_manifest("rec-branch", engine="rec", parent="rec-root", text="You are the shell."),
+    )
+    wait_condition(k8s_cluster, namespace, "polykvpools", "rec-ext", "Ready")
+    obj = wait_condition(k8s_cluster, namespace, "polykvpools", "rec-branch", "Stalled", 60)
+    got_reason, message = reason(obj, "Stalled")
+    assert got_reason == "RecurrentBranch", message
+    assert "start its prefix with the parent's whole prefix" in message
+    assert condition(obj, "Ready") == "False"
+    eng = EngineApi(k8s_cluster, namespace, "rec")
+    (rep,) = replicas(k8s_cluster, namespace, "rec")
+    assert set(eng.pools(rep.ip)) == {"rec-root", "rec-ext"}  # nothing half-made
 
 
 def test_two_policies_on_one_pool_is_a_condition(
