@@ -114,11 +114,12 @@ class SamplingFields(_Request):
         le=INT32_MAX,
         description="explicit shared prefix length P; default: computed (auto-P)",
     )
-    spec_type: Literal["none", "ngram"] | None = Field(
+    spec_type: Literal["none", "ngram", "draft"] | None = Field(
         None,
         alias="speculative.type",
         description="speculative decoding for this request: ngram drafts from the context "
-        "(prompt lookup), none turns it off; default: the engine's --spec-type",
+        "(prompt lookup), draft with the engine's draft model (-md), none turns it off; "
+        "default: the engine's --spec-type",
     )
     spec_n_max: int | None = Field(
         None,

@@ -295,10 +295,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--spec-type",
-        choices=["none", "ngram"],
+        choices=["none", "ngram", "draft"],
         default="none",
         help="speculative decoding for requests that do not choose (speculative.type): "
-        "ngram drafts the next tokens from the session's own context (prompt lookup)",
+        "ngram drafts the next tokens from the session's own context (prompt lookup), draft "
+        "with the draft model (-md)",
+    )
+    p.add_argument(
+        "-md",
+        "--spec-draft-model",
+        "--model-draft",
+        type=Path,
+        help="a smaller GGUF of the same vocabulary, for speculative.type draft",
     )
     p.add_argument(
         "--spec-draft-n-max",
@@ -461,6 +469,10 @@ def config_from_args(
         )
     if not 1 <= args.spec_draft_n_max <= MAX_DRAFT or not 0 <= args.spec_draft_n_min <= MAX_DRAFT:
         parser.error(f"--spec-draft-n-max must be 1..{MAX_DRAFT}, -n-min 0..{MAX_DRAFT}")
+    if args.spec_draft_model is not None and not args.spec_draft_model.is_file():
+        parser.error(f"draft model file not found: {args.spec_draft_model}")
+    if args.spec_type == "draft" and args.spec_draft_model is None:
+        parser.error("--spec-type draft needs a draft model: -md/--spec-draft-model PATH")
     if not 0 <= args.polykv_prefill_floor_tps <= 10_000:
         parser.error("--polykv-prefill-floor-tps must be between 0 and 10000")
     if args.sse_ping_interval <= 0 or args.timeout <= 0:
@@ -525,6 +537,7 @@ def config_from_args(
         prefill_budget=args.polykv_prefill_budget,
         prefill_floor_tps=args.polykv_prefill_floor_tps,
         spec=SpecParams(args.spec_type, args.spec_draft_n_max, args.spec_draft_n_min),
+        draft_model=args.spec_draft_model,
         max_queue=(
             args.polykv_max_queue if args.polykv_max_queue is not None else 8 * args.parallel
         ),

@@ -24,10 +24,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from polykv_api.limits import MAX_GRAMMAR_STACKS
 from polykv_api.models import Reason
+from polykv_engine.core.draft_model import DraftModel, DraftRequest
 from polykv_engine.core.prefix import AttachedPool, waits_for_shared_prefix
 from polykv_engine.core.scheduler import (
     ActiveSlot,
@@ -98,6 +100,7 @@ class EngineConfig:
     prefill_budget: int = 0  # prompt tokens a step may carry while sessions decode (0: by floor)
     prefill_floor_tps: float = 0.0  # the floor pacing assumes for sessions without a pool floor
     spec: SpecParams = field(default_factory=SpecParams)  # for requests that do not choose
+    draft_model: Path | None = None  # -md: a smaller model of the same vocabulary
 
 
 class Engine:
@@ -137,6 +140,7 @@ class Engine:
         self._slots: SlotTable | None = None
         self.pools_disabled_reason: str | None = None
         self.memory = Memory("attention")  # the model's, once loaded
+        self._drafter: DraftModel | None = None  # -md: speculative drafts from a small model
         self.swa_full_cost = 0  # bytes the full-size SWA cache adds (pools on an SWA model)
         self._arrived = False  # a request was queued since the last arrival barrier
         self.arrival_barrier: Callable[[float], None] | None = None
@@ -262,6 +266,8 @@ class Engine:
         self.runtime = rt
         info = rt.info
         self.memory = Memory.of(info.is_recurrent, info.is_hybrid, info.n_swa)
+        if self.cfg.draft_model is not None:
+            self._drafter = self._load_drafter(self.cfg.draft_model, rt)
         if self.cfg.warmup:
             tw = time.perf_counter()
             rt.warm_up(0)
@@ -347,6 +353,26 @@ class Engine:
                 "'Context and compaction')."
             )
         self._publish(ready=True)
+
+    def _load_drafter(self, path: Path, rt: LlamaRuntime) -> DraftModel:
+        """The draft model: one sequence per slot in a cache as large as the model's."""
+        dcfg = replace(
+            self.cfg.runtime,
+            model_path=path,
+            n_ctx=rt.n_ctx,
+            n_seq_max=self.cfg.n_parallel,
+            kv_debug=False,
+            swa_full=False,
+            guard_seqs=0,
+        )
+        draft_rt = LlamaRuntime(dcfg)
+        try:
+            drafter = DraftModel(draft_rt, rt.info.n_vocab)
+        except LlamaError:
+            draft_rt.close()
+            raise
+        log.info("draft model loaded: %s", draft_rt.info.description)
+        return drafter
 
     def _busy(self) -> bool:
         builds = self._pools is not None and bool(self._pools.builds)
@@ -663,16 +689,20 @@ class Engine:
         sliding window (not --swa-full) may recycle cells the guess pushed out of it."""
         params = task.spec or self.cfg.spec
         mem = self.memory
-        windowed = mem.kind == "sliding_window" and not self.cfg.runtime.swa_full
+        windowed = mem.kind == "sliding_window" and not self.rt.cfg.swa_full
         if params.type == "none" or params.n_max <= 0 or windowed or mem.exact_length:
             return None
-        spec = Speculation(params.n_max, params.n_min)
-        spec.index.extend(task.prompt)
+        if params.type == "draft" and self._drafter is None:
+            return None
+        spec = Speculation(params.n_max, params.n_min, model=params.type == "draft")
+        if not spec.model:
+            spec.index.extend(task.prompt)
         return spec
 
     def _propose_drafts(self) -> None:
         """Guess the next tokens of every speculating session, within what its request and
         its context still allow (the guess and the token after it need positions)."""
+        asks: list[DraftRequest] = []
         for slot in self.slots.slots:
             slot.draft = []
             spec, task = slot.spec, slot.task
@@ -681,7 +711,15 @@ class Engine:
             room = slot.n_ctx - slot.n_past - 2
             if task.stop.n_predict >= 0:
                 room = min(room, task.stop.n_predict - len(slot.generated) - 1)
-            slot.draft = spec.propose(room)
+            if not spec.model:
+                slot.draft = spec.propose(room)
+            elif n := spec.length(room):
+                asks.append(DraftRequest(slot.slot_id, [*slot.cache_tokens, slot.pending], n))
+        if asks and self._drafter is not None:
+            for seq, draft in self._drafter.propose(asks).items():
+                slot = self.slots[seq]
+                assert slot.spec is not None
+                slot.draft = slot.spec.worth(draft)
 
     def _prompt_budget(self) -> tuple[int | None, float | None]:
         """Prompt and pool tokens this step may carry beside the decoding sessions (None: as
@@ -1018,8 +1056,9 @@ class Engine:
                 err = PoolError(503, "shutting_down", msg, "unavailable_error")
                 self._pools.fail_build(build, err)
         self._publish(ready=False)
-        if self.runtime is not None:
-            try:
-                self.runtime.close()
-            except LlamaError:
-                log.exception("error while freeing the llama context")
+        for rt in (self._drafter.rt if self._drafter else None, self.runtime):
+            if rt is not None:
+                try:
+                    rt.close()
+                except LlamaError:
+                    log.exception("error while freeing a llama context")

@@ -27,13 +27,14 @@ def next_task_id() -> int:
 
 
 StopType = Literal["eos", "word", "limit", "none"]
-SpecType = Literal["none", "ngram"]
+SpecType = Literal["none", "ngram", "draft"]
 
 
 @dataclass(frozen=True, slots=True)
 class SpecParams:
     """Speculative decoding for a request: ``ngram`` drafts from the session's own context
-    (``policy.speculation``); at most ``n_max`` tokens a step, none shorter than ``n_min``."""
+    (``policy.speculation``), ``draft`` with the engine's draft model (``core.draft_model``);
+    at most ``n_max`` tokens a step, none shorter than ``n_min``."""
 
     type: SpecType = "none"
     n_max: int = 16

@@ -72,6 +72,7 @@ class Speculation:
 
     n_max: int
     n_min: int = 0
+    model: bool = False  # drafts come from the draft model, not the context's n-grams
     index: NgramIndex = field(default_factory=NgramIndex)
     drafted: int = 0
     accepted: int = 0
@@ -79,13 +80,21 @@ class Speculation:
     _cooldown: int = 0
     _pause: int = 0
 
-    def propose(self, room: int) -> list[int]:
-        """A draft of at most ``room`` tokens (what the context and the request allow)."""
+    def length(self, room: int) -> int:
+        """How many tokens to draft now, at most ``room`` (what the context and the request
+        allow); 0 while drafting pauses."""
         if self._pause > 0:
             self._pause -= 1
-            return []
-        draft = self.index.draft(min(self._next, self.n_max, room))
+            return 0
+        return max(0, min(self._next, self.n_max, room))
+
+    def worth(self, draft: list[int]) -> list[int]:
+        """The draft, or none when it is shorter than ``n_min``."""
         return draft if len(draft) >= max(self.n_min, 1) else []
+
+    def propose(self, room: int) -> list[int]:
+        """A draft from the context of at most ``room`` tokens."""
+        return self.worth(self.index.draft(self.length(room)))
 
     def verified(self, drafted: int, kept: int) -> None:
         self.drafted += drafted

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from polykv_engine.testing import EngineProcess
+from polykv_engine.testing import EngineProcess, EngineStartError
 
 from .conftest import DETERMINISTIC
 from .pool_helpers import ADMIN, check_accounting, create, release_all, tokenize
@@ -124,3 +125,35 @@ def test_out_of_bound_settings_are_refused_naming_the_field(
     r = sc.post("/completion", json={"prompt": "x", "n_predict": 1, field: value})
     assert r.status_code == 400, r.text
     assert field in r.json()["error"]["message"]
+
+
+def test_a_draft_model_drafts_and_the_text_is_the_same(
+    start_engine: Callable[..., EngineProcess], test_model: Path
+) -> None:
+    # The model as its own draft: its guesses are what it would pick, nearly all kept.
+    eng = start_engine(
+        "-np", "2", "-c", "4096", "-md", str(test_model), "--polykv-kv-debug",
+        "--polykv-admin-key", "admin-key", *DETERMINISTIC,
+    )  # fmt: skip
+    with httpx.Client(base_url=eng.base_url, timeout=120, headers=ADMIN) as c:
+        with ThreadPoolExecutor(2) as pool:
+            plain = list(pool.map(lambda p: complete(c, p, "none", 64), PROMPTS[:2]))
+            drafted = list(pool.map(lambda p: complete(c, p, "draft", 64), PROMPTS[:2]))
+        check_accounting(c)
+    assert [d["content"] for d in drafted] == [p["content"] for p in plain]
+    t = drafted[0]["timings"]
+    assert t["draft_n"] > 0 and t["draft_n_accepted"] >= t["draft_n"] // 2, t
+
+
+@pytest.mark.real_model
+def test_a_draft_model_of_another_vocabulary_is_refused_at_boot(
+    start_engine: Callable[..., EngineProcess], smollm2: Path
+) -> None:
+    with pytest.raises(EngineStartError, match="share the model's vocabulary"):
+        start_engine("-np", "1", "-c", "1024", "-md", str(smollm2))
+
+
+def test_a_draft_without_a_draft_model_is_refused(sc: httpx.Client) -> None:
+    r = sc.post("/completion", json={"prompt": "x", "n_predict": 1, "speculative.type": "draft"})
+    assert r.status_code == 400 and r.json()["error"]["reason"] == "not_supported", r.text
+    assert "speculative.type" in r.json()["error"]["message"]

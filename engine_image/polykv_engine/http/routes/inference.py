@@ -180,6 +180,7 @@ def task_from(
         identity = identity_of_agent(request, req.session_id)
     request[SESSION_FINAL] = identity.final
     cap = ctx_of(request).settings.n_predict
+    engine = ctx_of(request).engine
     if cap >= 0 and not 0 <= n_predict <= cap:  # -n, as llama-server caps a request's
         n_predict = cap
     return GenerateTask(
@@ -202,14 +203,21 @@ def task_from(
         cache_prompt=req.cache_prompt,
         pool_ref=_pool_ref(req),
         pool_p=req.shared_prefix_n_tokens,
-        spec=_spec(ctx_of(request).engine.cfg.spec, req),
+        spec=_spec(engine.cfg.spec, req, engine.cfg.draft_model is not None),
     )
 
 
-def _spec(default: SpecParams, req: SamplingFields) -> SpecParams | None:
+def _spec(default: SpecParams, req: SamplingFields, has_draft_model: bool) -> SpecParams | None:
     """The request's speculative settings over the engine's; None: the engine's as is."""
     if req.spec_type is None and req.spec_n_max is None and req.spec_n_min is None:
         return None
+    if req.spec_type == "draft" and not has_draft_model:
+        raise ApiError(
+            400,
+            "speculative.type: draft needs a draft model; this engine was started without "
+            "-md/--spec-draft-model",
+            reason="not_supported",
+        )
     return SpecParams(
         type=req.spec_type or default.type,
         n_max=default.n_max if req.spec_n_max is None else req.spec_n_max,
