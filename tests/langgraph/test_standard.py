@@ -45,9 +45,10 @@ LONG = "PolyKV keeps shared prompt prefixes in the KV cache of the engine. " * 3
 
 
 # Characters in each free-text field of the jokes below. Two fields that reach it, even at a
-# character a token, and the JSON around them fit ROOMY's budget; the generous timeout is
-# for a loaded 2-core machine, where a grammar-constrained token can take a second.
-BOUND = 64
+# character a token, and the JSON around them fit the suite's 64-token budget; ROOMY's
+# generous timeout is for a loaded 2-core machine, where a grammar-constrained token can
+# take a second.
+BOUND = 20
 ROOMY = pytest.mark.parametrize("model", [{"max_tokens": 192, "timeout": 600}], indirect=True)
 PROMPT = "Tell me a joke about cats."
 
@@ -83,12 +84,9 @@ def bounded_joke_class(schema_type: str) -> tuple[Any, Any]:
     return Joke.model_json_schema(), validate_dict
 
 
-@pytest.fixture
-def bounded_jokes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(suite_module, "_get_joke_class", bounded_joke_class)
+class PolyKVParams:
+    """What the suite reads about the model, shared by both classes below."""
 
-
-class TestPolyKVChatModelStandard(Suite):
     @pytest.fixture(autouse=True, scope="class")
     @classmethod
     def _engine(cls, smol: EngineProcess) -> None:
@@ -109,14 +107,6 @@ class TestPolyKVChatModelStandard(Suite):
         }
 
     @property
-    def has_tool_calling(self) -> bool:
-        return True
-
-    @property
-    def has_tool_choice(self) -> bool:
-        return True
-
-    @property
     def has_structured_output(self) -> bool:
         return True
 
@@ -128,12 +118,38 @@ class TestPolyKVChatModelStandard(Suite):
     def supports_json_mode(self) -> bool:
         return True
 
+
+# Three of the suite's structured-output tests build their own unbounded jokes. On this model
+# whether such a reply closes within the budget depends on float rounding (a prompt read from
+# KV or prefilled anew decodes differently), so they do not run here: TestBoundedStructuredOutput
+# runs their assertions with every free-text field bounded.
+UNBOUNDED = pytest.mark.xfail(
+    reason="SmolLM2-135M may write inside an unbounded JSON string until max_tokens; "
+    "TestBoundedStructuredOutput runs this test's assertions on bounded jokes",
+    run=False,
+)
+
+
+class TestPolyKVChatModelStandard(PolyKVParams, Suite):
+    @pytest.fixture(autouse=True)
+    def _bounded_jokes(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The suite's own joke schemas, each free-text field bounded."""
+        monkeypatch.setattr(suite_module, "_get_joke_class", bounded_joke_class)
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
     @property
     def returns_usage_metadata(self) -> bool:
         return True
 
     @property
-    def supported_usage_metadata_details(self) -> dict[str, Any]:
+    def supported_usage_metadata_details(self) -> Any:  # the suite's type: Literal keys
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
     @property
@@ -180,17 +196,25 @@ class TestPolyKVChatModelStandard(Suite):
             response_metadata=full.response_metadata,
         )
 
-    @ROOMY
-    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
-    @pytest.mark.usefixtures("bounded_jokes")
-    def test_structured_output(self, model: BaseChatModel, schema_type: Any) -> None:
-        super().test_structured_output(model, schema_type)
+    @UNBOUNDED
+    def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
 
-    @ROOMY
-    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
-    @pytest.mark.usefixtures("bounded_jokes")
-    async def test_structured_output_async(self, model: BaseChatModel, schema_type: Any) -> None:
-        await super().test_structured_output_async(model, schema_type)
+    @UNBOUNDED
+    def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
+        super().test_structured_output_optional_param(model)
+
+    @UNBOUNDED
+    def test_json_mode(self, model: BaseChatModel) -> None:
+        super().test_json_mode(model)
+
+
+class TestBoundedStructuredOutput(PolyKVParams):
+    """The three tests above, their assertions on jokes whose free-text fields are bounded."""
+
+    @pytest.fixture
+    def model(self, request: pytest.FixtureRequest) -> BaseChatModel:
+        return PolyKVChatModel(**{**self.chat_model_params, **getattr(request, "param", {})})
 
     @ROOMY
     def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import base64
 import json
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +28,6 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from polykv_operator import hooks
 from polykv_operator.autoscale.apiservice import desired
 from polykv_operator.manifests import API_SECRET_KEY, api_key_secret_name
 from polykv_testenv import ApiError, ControlPlane, ProcessNode, pki
@@ -650,7 +651,6 @@ def test_the_api_is_not_served_next_to_another_provider(
     namespace: str,
     operator_kubeconfig: Path,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Another provider's APIService in the cluster: the operator does not serve (and does
     not touch it), and the chart refuses to install the provider."""
@@ -683,12 +683,13 @@ def test_the_api_is_not_served_next_to_another_provider(
             assert after["spec"]["service"]["namespace"] == "keda"  # untouched
         # Nor does the chart install it: its pre-install job (this code, with the job's
         # arguments) looks the APIService up and refuses, making no certificate.
-        code = hooks.main(
-            ["external-metrics-tls", f"--namespace={namespace}", "--secret=em-cert",
-             f"--service={SERVICE}"]
+        job = subprocess.run(
+            [sys.executable, "-m", "polykv_operator.hooks", "external-metrics-tls",
+             f"--namespace={namespace}", "--secret=em-cert", f"--service={SERVICE}"],
+            env=k8s_cluster.tool_env(), capture_output=True, text=True, timeout=120,
         )  # fmt: skip
-        refusal = capsys.readouterr().err
-        assert code == 1, refusal
+        refusal = job.stderr
+        assert job.returncode == 1, refusal
         assert "another external metrics provider" in refusal, refusal
         assert "keda/keda-operator-metrics-apiserver" in refusal, refusal
         assert (
