@@ -68,7 +68,7 @@ class _IsolatedRunner:
 
 
 def in_process(
-    target: str | Path, namespace: str | None, timeout_s: float = 60, **kwargs: Any
+    target: str | Path, namespace: str | None, timeout_s: float = 120, **kwargs: Any
 ) -> Any:
     """A kopf.testing.KopfRunner; use it as a context manager. KUBECONFIG must point at the
     cluster in os.environ (the session fixture sets it)."""

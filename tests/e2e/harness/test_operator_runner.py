@@ -31,6 +31,7 @@ def create_and_wait_seen(cluster: ControlPlane, namespace: str, name: str) -> No
         lambda: (
             (cluster.api.get(f"{base}/{name}").get("status") or {}).get("phase") == "Seen" or None
         ),
+        180,  # kopf's first list-watch and handler on a loaded 2-core machine
     )
 
 
