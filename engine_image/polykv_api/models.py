@@ -550,6 +550,8 @@ Reason = Literal[
     "response_not_found",  # previous_response_id: unknown, released with its session, or evicted
     "slot_not_found",
     "slot_busy",
+    "snapshot_not_found",  # GET /polykv/snapshots/{digest}: this replica holds no such file
+    "snapshots_disabled",  # the engine runs without --polykv-snapshot-dir
     # admission and load
     "tps_floor",
     "kv_headroom",
@@ -702,6 +704,29 @@ class PolykvProps(BaseModel):
 PoolRef = int | str
 """A pool id (per engine replica) or the pool's name (the same on every replica)."""
 
+PoolSource = Literal["prefill", "store", "peer", "session"]
+"""How a pool's own cells came to be on a replica: computed (prefill), read from this
+replica's snapshot store, fetched from a peer replica's, or shared from a live session."""
+
+SnapshotRefusal = Literal[
+    "too_large",  # bigger than this engine accepts for that many tokens, or than the store
+    "truncated",  # shorter than its header says
+    "corrupt",  # a wrong magic, an unreadable header, a checksum that does not match
+    "other_model",  # written by an engine running another model file
+    "other_build",  # another llama.cpp build, or another snapshot format
+    "other_layout",  # other cache types, attention kernel or streams
+    "other_prefix",  # cells of other tokens (a file under a name it should not have)
+    "other_branch",  # a pool's cells from another branch point than the one planned
+    "no_room",  # the KV cache has no free cells for them
+    "parent_not_resident",  # the parent pool's cells are not in the cache to build on
+    "rejected",  # llama.cpp refused the bytes, or they held other positions
+    "peer_failed",  # the peer could not be reached, answered an error, or broke off
+]
+"""Why a KV snapshot was not restored (``polykv_snapshot_refusals_total{reason}``)."""
+
+# A peer replica's base URL: scheme, host and port, nothing else (no path, user or query).
+PEER_URL_PATTERN = r"^https?://([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?$"
+
 
 class PoolPrefix(_Control):
     """Exactly one way to give a pool's prefix."""
@@ -722,6 +747,13 @@ class PoolPrefix(_Control):
     name: str | None = Field(None, min_length=1, max_length=253)
     pin: bool = False
     dry_run: bool = Field(False, description="validate and report, create nothing")
+    restore_peer: str | None = Field(
+        None,
+        max_length=256,
+        pattern=PEER_URL_PATTERN,
+        description="a replica of the same engine (http://host:port) to fetch this pool's KV "
+        "snapshot from when this replica's own store has none; prefilled when neither has it",
+    )
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> PoolPrefix:
@@ -793,6 +825,9 @@ class PoolStatus(BaseModel):
     own_kv_bytes: int = Field(description="KV bytes of cells this pool owns: its [D, L) range")
     subtree_kv_bytes: int
     residency: Literal["materializing", "resident", "evicted"]
+    materialized_from: PoolSource = Field(
+        "prefill", description="how its own cells were last put in this replica's KV cache"
+    )
     pinned: bool = Field(description="explicitly pinned, or auto-pinned while in use")
     pinned_explicit: bool
     orphaned_pin: bool = Field(description="pinned with no sessions and no children")
@@ -850,6 +885,9 @@ class PoolList(BaseModel):
     kv_cells_measured: int | None = Field(
         None, description="llama.cpp's own used-cell count (engine started with --polykv-kv-debug)"
     )
+    snapshots: SnapshotStoreStatus | None = Field(
+        None, description="the KV snapshot store (None: --polykv-snapshot-dir not set)"
+    )
     sessions_active: int = Field(0, description="sessions processing a turn (autoscaling)")
     sessions_refused: int = Field(
         0, description="distinct sessions refused in the last 60 s (gate 429 or a full queue)"
@@ -878,9 +916,33 @@ class PoolReleased(BaseModel):
     boot_id: str
 
 
+class PoolRestore(BaseModel):
+    """``PoolCreated.restore``: how a pool just created got its cells."""
+
+    source: PoolSource
+    refused: SnapshotRefusal | None = Field(
+        None, description="a snapshot was found and not used (the pool was prefilled): why"
+    )
+    message: str | None = Field(None, description="the refusal, for people")
+    snapshot_bytes: int = Field(0, description="bytes of the snapshot restored")
+    seconds: float = Field(description="from the request's prefix ready to the pool resident")
+
+
+class SnapshotStoreStatus(BaseModel):
+    """``PoolList.snapshots``: this replica's KV snapshot store."""
+
+    used_bytes: int
+    max_bytes: int
+    files: int
+    bytes_written: int = Field(description="since boot")
+    bytes_read: int = Field(description="since boot, from the store and from peers")
+    refusals: int = Field(description="snapshots refused since boot (any reason)")
+
+
 class PoolCreated(BaseModel):
     created: bool = Field(description="false when an existing pool of that name was returned")
     dry_run: bool = False
+    restore: PoolRestore | None = Field(None, description="for a pool created by this call")
     pool: PoolStatus | None = None
     pool_id: int | None = None
     prefix_len: int

@@ -86,6 +86,13 @@ OPERATIONS: list[Op] = [
     ),
     ("delete", "/polykv/pools/{pool}/admission", "Clear the admission policy", None, m.PoolStatus),
     ("get", "/polykv/pools/{pool}/capacity", "Admission verdict", None, m.CapacityReport),
+    (
+        "get",
+        "/polykv/snapshots/{digest}",
+        "A stored KV snapshot file, streamed (peer replicas fetch pools' cells with it)",
+        None,
+        None,
+    ),
 ]
 
 ERROR = {"$ref": "#/components/schemas/ErrorBody"}
@@ -106,6 +113,16 @@ ERRORS = {
 }
 
 
+PATH_PARAMETERS: dict[str, tuple[str, dict[str, str]]] = {
+    "session": ("the session id (x-session-id)", STRING),
+    "pool": ("pool id (per replica) or pool name", STRING),
+    "digest": (
+        "the snapshot's key digest: 64 lowercase hex characters",
+        {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+    ),
+}
+
+
 def document() -> dict[str, Any]:
     models = {op[3] for op in OPERATIONS} | {op[4] for op in OPERATIONS}
     models |= {m.ErrorBody, a.AnthropicError}
@@ -116,30 +133,26 @@ def document() -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for method, path, summary, req, resp in OPERATIONS:
         op: dict[str, Any] = {"summary": summary, "responses": {}}
-        if "{session}" in path:
-            op["parameters"] = [
-                {
-                    "name": "session",
-                    "in": "path",
-                    "required": True,
-                    "description": "the session id (x-session-id)",
-                    "schema": {"type": "string"},
-                }
-            ]
-        if "{pool}" in path:
-            op["parameters"] = [
-                {
-                    "name": "pool",
-                    "in": "path",
-                    "required": True,
-                    "description": "pool id (per replica) or pool name",
-                    "schema": {"type": "string"},
-                }
-            ]
+        for name, (description, schema) in PATH_PARAMETERS.items():
+            if f"{{{name}}}" in path:
+                op["parameters"] = [
+                    {
+                        "name": name,
+                        "in": "path",
+                        "required": True,
+                        "description": description,
+                        "schema": schema,
+                    }
+                ]
+        if "{digest}" in path:
+            op["responses"]["200"] = {
+                "description": "the file (its header carries the payload's sha256)",
+                "content": {"application/octet-stream": {"schema": STRING}},
+            }
         if req is not None:
             ref = {"$ref": f"#/components/schemas/{req.__name__}"}
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
-        ok: dict[str, Any] = {"description": "OK"}
+        ok: dict[str, Any] = op["responses"].get("200", {"description": "OK"})
         if resp is not None:
             ok["content"] = {
                 "application/json": {"schema": {"$ref": f"#/components/schemas/{resp.__name__}"}}

@@ -56,6 +56,7 @@ class JsonFormatter(logging.Formatter):
 # Measured on 2 cores (bench model, 5 paired runs): 8 streams 519-527 tok/s at 0 (every
 # token wakes the loop), 539 at 20, 551-565 at 50, 565 at 100; the first token goes at once.
 STREAM_INTERVAL_MS = 50
+MAX_SNAPSHOT_MIB = 1 << 24  # 16 TiB: a typo's extra digits are refused, not allocated for
 
 
 def _env(name: str, default: Any) -> Any:
@@ -266,6 +267,21 @@ def build_parser() -> argparse.ArgumentParser:
         "other sessions decode, put back for their next turn (0: keep them resident)",
     )
     p.add_argument(
+        "--polykv-snapshot-dir",
+        type=Path,
+        default=os.environ.get("POLYKV_SNAPSHOT_DIR") or None,
+        help="directory for pools' KV snapshots: a pool is saved there once built, and a "
+        "later create of the same prefix (after a restart) restores it instead of prefilling "
+        "(default: none, no snapshots; also POLYKV_SNAPSHOT_DIR)",
+    )
+    p.add_argument(
+        "--polykv-snapshot-mib",
+        type=int,
+        default=int(os.environ.get("POLYKV_SNAPSHOT_MIB", 4096)),
+        help="the most the snapshot directory holds; the least recently used snapshots go "
+        "first, and one larger than this is not written (also POLYKV_SNAPSHOT_MIB)",
+    )
+    p.add_argument(
         "--no-polykv-pause-aware-admission",
         dest="pause_aware_admission",
         action="store_false",
@@ -454,9 +470,12 @@ def config_from_args(
         ("--polykv-prefill-budget", args.polykv_prefill_budget, 0),
         ("--polykv-kept-prefixes", args.polykv_kept_prefixes, 0),
         ("--polykv-kept-ttl-max-s", args.polykv_kept_ttl_max_s, 0),
+        ("--polykv-snapshot-mib", args.polykv_snapshot_mib, 1),
     ):
         if value < low:
             parser.error(f"{name} must be >= {low}, got {value}")
+    if args.polykv_snapshot_mib > MAX_SNAPSHOT_MIB:
+        parser.error(f"--polykv-snapshot-mib must be <= {MAX_SNAPSHOT_MIB}")
     if args.polykv_max_pools > 0 and not args.kv_unified:
         parser.error(
             "pools need a unified KV cache: llama.cpp aborts on a partial copy between the "
@@ -532,6 +551,8 @@ def config_from_args(
         warmup=not args.no_warmup,
         auto_share=args.auto_share,
         park_mib=args.polykv_park_mib,
+        snapshot_dir=args.polykv_snapshot_dir,
+        snapshot_mib=args.polykv_snapshot_mib,
         pause_aware_admission=args.pause_aware_admission,
         admission_ceiling=args.polykv_admission_ceiling,
         prefill_budget=args.polykv_prefill_budget,

@@ -53,6 +53,8 @@ from polykv_engine.core.tasks import (
 from polykv_engine.kv.cache import KVCache
 from polykv_engine.kv.memory import Memory, swa_full_cost
 from polykv_engine.llama.runtime import Batch, LlamaError, LlamaRuntime, RuntimeConfig
+from polykv_engine.persist.key import Fingerprint, build_digest, file_digest
+from polykv_engine.persist.store import SnapshotStore
 from polykv_engine.policy.prefill import PrefillPacer
 from polykv_engine.policy.speculation import Speculation
 from polykv_engine.policy.step_time import (
@@ -101,6 +103,8 @@ class EngineConfig:
     prefill_floor_tps: float = 0.0  # the floor pacing assumes for sessions without a pool floor
     spec: SpecParams = field(default_factory=SpecParams)  # for requests that do not choose
     draft_model: Path | None = None  # -md: a smaller model of the same vocabulary
+    snapshot_dir: Path | None = None  # where pools' KV snapshots are kept (None: none are)
+    snapshot_mib: int = 4096  # the most the snapshot store holds
 
 
 class Engine:
@@ -138,6 +142,7 @@ class Engine:
         self._published_pools = PublishedPools()
         self._pools: PoolManager | None = None
         self._slots: SlotTable | None = None
+        self.snapshots: SnapshotStore | None = None  # set at load when --polykv-snapshot-dir
         self.pools_disabled_reason: str | None = None
         self.memory = Memory("attention")  # the model's, once loaded
         self._drafter: DraftModel | None = None  # -md: speculative drafts from a small model
@@ -153,18 +158,24 @@ class Engine:
     # ------------------------------------------------------------------ any thread
 
     @property
-    def _park_seq(self) -> int | None:
-        """The spare sequence id parking saves through (unified cache only: a split cache
-        gives each slot its own cells, which no other slot's decode reads)."""
+    def _parks(self) -> bool:
+        """Whether idle caches are parked (unified cache only: a split cache gives each slot
+        its own cells, which no other slot's decode reads)."""
         cfg = self.cfg
         alone = cfg.n_parallel == 1 and cfg.max_pools == 0  # nothing else ever computes
-        if cfg.park_mib <= 0 or not cfg.runtime.kv_unified or alone:
-            return None
-        return cfg.n_parallel + cfg.max_pools
+        return cfg.park_mib > 0 and cfg.runtime.kv_unified and not alone
+
+    @property
+    def _scratch_seq(self) -> int | None:
+        """The spare sequence id that parking and pool snapshots save and load cells
+        through (None: neither is on)."""
+        cfg = self.cfg
+        snapshots = cfg.snapshot_dir is not None and cfg.max_pools > 0
+        return cfg.n_parallel + cfg.max_pools if self._parks or snapshots else None
 
     @property
     def n_seq_max(self) -> int:
-        spare = (self._park_seq is not None) + self.cfg.kv_debug
+        spare = (self._scratch_seq is not None) + self.cfg.kv_debug
         return self.cfg.n_parallel + self.cfg.max_pools + spare
 
     def start(self) -> None:
@@ -262,8 +273,17 @@ class Engine:
             guard_seqs=self.cfg.max_pools,
         )
         t0 = time.perf_counter()
-        rt = LlamaRuntime(rcfg)
-        self.runtime = rt
+        with concurrent.futures.ThreadPoolExecutor(1) as hasher:
+            # The model file's digest keys its snapshots: read beside the model's load.
+            model_digest = (
+                hasher.submit(file_digest, rcfg.model_path)
+                if self.cfg.snapshot_dir is not None and pools_on
+                else None
+            )
+            rt = LlamaRuntime(rcfg)
+            self.runtime = rt
+            if model_digest is not None:
+                self.snapshots = self._open_snapshots(rt, model_digest.result())
         info = rt.info
         self.memory = Memory.of(info.is_recurrent, info.is_hybrid, info.n_swa)
         if self.cfg.draft_model is not None:
@@ -284,7 +304,7 @@ class Engine:
                 for i in range(self.cfg.n_parallel)
             ],
             self._kv,
-            self._park_seq if self.memory.plain else None,
+            self._scratch_seq if self._parks and self.memory.plain else None,
             self.cfg.park_mib << 20,
             self.memory,
         )
@@ -297,6 +317,8 @@ class Engine:
             state_bytes=rt.state_bytes,
             extend_only=self.memory.exact_length,
             on_removed=self._slots.unlink_pool,
+            store=self.snapshots,
+            scratch=self._scratch_seq,
         )
         if not pools_on:
             self.pools_disabled_reason = "pools are disabled (--polykv-max-pools 0)"
@@ -373,6 +395,30 @@ class Engine:
             raise
         log.info("draft model loaded: %s", draft_rt.info.description)
         return drafter
+
+    def _open_snapshots(self, rt: LlamaRuntime, model_digest: str) -> SnapshotStore:
+        """The snapshot store, keyed by this model file, llama.cpp build and cache layout."""
+        assert self.cfg.snapshot_dir is not None
+        build = build_digest(rt.library_files(), rt.build_label)
+        fingerprint = Fingerprint(model_digest, build, rt.kv_layout())
+        store = SnapshotStore(
+            self.cfg.snapshot_dir,
+            self.cfg.snapshot_mib << 20,
+            fingerprint,
+            rt.kv_bytes_per_token,
+            rt.state_bytes,
+        )
+        log.info(
+            "KV snapshots in %s: %d files, %.1f of %d MiB; model %s, build %s, layout %s",
+            self.cfg.snapshot_dir,
+            store.n_files,
+            store.used_bytes / 2**20,
+            self.cfg.snapshot_mib,
+            model_digest[:12],
+            build[:12],
+            fingerprint.layout,
+        )
+        return store
 
     def _busy(self) -> bool:
         builds = self._pools is not None and bool(self._pools.builds)
@@ -1056,6 +1102,8 @@ class Engine:
                 err = PoolError(503, "shutting_down", msg, "unavailable_error")
                 self._pools.fail_build(build, err)
         self._publish(ready=False)
+        if self.snapshots is not None:
+            self.snapshots.close()  # the writes already handed over finish first
         for rt in (self._drafter.rt if self._drafter else None, self.runtime):
             if rt is not None:
                 try:

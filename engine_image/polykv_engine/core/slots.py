@@ -51,7 +51,7 @@ class Parked:
     """The private tail of an idle slot's cache, held in host memory."""
 
     tokens: tuple[int, ...]  # at positions [len(slot.cache_tokens), ...) when put back
-    data: bytes  # llama.cpp's serialized cells
+    data: bytes | bytearray  # llama.cpp's serialized cells
 
 
 @dataclass(frozen=True, slots=True)

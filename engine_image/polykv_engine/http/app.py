@@ -24,9 +24,14 @@ from polykv_engine.http.app_context import APP_KEY, AppContext, ServerSettings
 from polykv_engine.http.auth import auth_middleware
 from polykv_engine.http.errors import BODY_LIMIT, DEFAULT_REASONS, ApiError
 from polykv_engine.http.mailbox import loop_turns
-from polykv_engine.http.metrics import ComputeThreads, build_registry
+from polykv_engine.http.metrics import (
+    ComputeThreads,
+    SnapshotCollector,
+    build_registry,
+    restore_histogram,
+)
 from polykv_engine.http.offload import WORKER, LargeStackExecutor
-from polykv_engine.http.routes import inference, info, messages, pools, responses_api
+from polykv_engine.http.routes import inference, info, messages, pools, responses_api, snapshots
 
 log = logging.getLogger("polykv.http")
 
@@ -123,6 +128,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
         lambda: ctx.gate.autoscale() if ctx.gate is not None and engine.ready else (0.0, 0, 0, 0),
         lambda: compute_threads(engine),
     )
+    registry.register(SnapshotCollector(lambda: engine.snapshots))
+    ctx.restore_seconds = restore_histogram(registry)
     ctx.gate = AdmissionGate(engine, registry)
     app[info.METRICS_REGISTRY] = registry
     app[HTTP_COUNTER] = http_counter
@@ -131,6 +138,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> web.Application:
     messages.add_routes(app)
     responses_api.add_routes(app)
     pools.add_routes(app)
+    snapshots.add_routes(app)
 
     async def start_gate(_: web.Application) -> None:
         ctx.gate.start()  # type: ignore[union-attr]

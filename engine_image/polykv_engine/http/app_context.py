@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import Histogram
 
 from polykv_api.agent_headers import SessionHeaders
 from polykv_api.models import ChatCompletionRequest, ChatMessage, PromptPart
@@ -62,6 +63,7 @@ class AppContext:
     in_flight: int = 0  # requests the engine owes an answer (the SIGTERM drain waits on it)
     gate: AdmissionGate | None = None
     pool_gauges: list[PoolGauges] = field(default_factory=list)
+    restore_seconds: Histogram | None = None  # polykv_pool_restore_seconds{source}
     responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
     _renderer: ChatRenderer | None = None
 

@@ -10,12 +10,14 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from polykv_api.models import SnapshotRefusal
 from polykv_engine.core.snapshot import EngineSnapshot
 from polykv_engine.llama.cpus import throttled_seconds
+from polykv_engine.persist.store import SnapshotStore
 from polykv_engine.policy.autoscale import demand_ratio
 from polykv_engine.policy.step_time import StepCurve
 
@@ -308,6 +310,65 @@ class CpuCollector(Collector):
                 "Time the CPU limit held this engine's cgroup back (cgroup cpu.stat)",
                 value=throttled,
             )
+
+
+REFUSALS: tuple[str, ...] = SnapshotRefusal.__args__  # type: ignore[attr-defined]
+WRITE_SKIPS = ("too_large", "busy", "disk_full", "write_failed")
+RESTORE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class SnapshotCollector(Collector):
+    """The KV snapshot store's totals (nothing when the engine keeps no snapshots). Every
+    reason has a series from boot on, so a rate over a first refusal is never missed."""
+
+    def __init__(self, store: Callable[[], SnapshotStore | None]) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        store = self._store()
+        if store is None:
+            return
+        st = store.stats_now()
+        yield CounterMetricFamily(
+            "polykv_snapshot_bytes_written", "Bytes of KV snapshots written", value=st.bytes_written
+        )
+        read = CounterMetricFamily(
+            "polykv_snapshot_bytes_read",
+            "Bytes of KV snapshots read, from this replica's store or a peer's",
+            labels=["source"],
+        )
+        for source in ("store", "peer"):
+            read.add_metric([source], st.bytes_read[source])
+        yield read
+        for name, doc, reasons, counts in (
+            ("refusals", "Snapshots not restored, by reason (the pool was prefilled)",
+             REFUSALS, st.refusals),
+            ("writes_skipped", "Snapshots not written, by reason (serving went on)",
+             WRITE_SKIPS, st.skipped),
+        ):  # fmt: skip
+            fam = CounterMetricFamily(f"polykv_snapshot_{name}", doc, labels=["reason"])
+            for reason in reasons:
+                fam.add_metric([reason], counts[reason])
+            yield fam
+        yield GaugeMetricFamily(
+            "polykv_snapshot_store_bytes", "Bytes the snapshot store holds", value=store.used_bytes
+        )
+        yield GaugeMetricFamily(
+            "polykv_snapshot_store_max_bytes",
+            "The store's bound (--polykv-snapshot-mib)",
+            value=store.max_bytes,
+        )
+
+
+def restore_histogram(registry: CollectorRegistry) -> Histogram:
+    return Histogram(
+        "polykv_pool_restore_seconds",
+        "A pool created from a KV snapshot: from its prefix ready to resident (lookup, "
+        "transfer, checks and load), by where the snapshot came from",
+        ["source"],
+        buckets=RESTORE_BUCKETS,
+        registry=registry,
+    )
 
 
 def build_registry(

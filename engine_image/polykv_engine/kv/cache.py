@@ -85,30 +85,61 @@ class KVCache:
         self.rt.seq_add(seq, n_keep + n_discard, n_past, -n_discard)
         self.model.remove_range(seq, n_keep, n_keep + n_discard)
 
-    def park(self, seq: int, scratch: int, p0: int) -> bytes:
-        """Move positions [p0, end) of ``seq``, cells only it holds (``model.private_from``),
-        out of the cache: their serialized data. ``scratch`` is an empty sequence id, used to
-        save just that tail."""
-        self.rt.seq_cp(seq, scratch, p0, -1)
+    def save_span(self, seq: int, scratch: int, p0: int, p1: int = -1) -> bytearray:
+        """llama.cpp's serialized cells of ``seq`` at positions [p0, p1) (-1: to the end),
+        nothing else: they are shared into the empty ``scratch`` and saved from there. On a
+        recurrent model the state at the end of ``seq`` comes along."""
+        self.rt.seq_cp(seq, scratch, p0, p1)
         try:
-            data = self.rt.seq_save(scratch)
+            return self.rt.seq_save(scratch)
         finally:
             self.rt.seq_rm(scratch)
-        self.truncate(seq, p0)
-        return data
 
-    def unpark(self, seq: int, scratch: int, p0: int, n: int, data: bytes) -> bool:
-        """Put back ``n`` parked cells at positions [p0, p0 + n) of ``seq``, which must end
-        at p0. False (nothing changed) when the cache has no contiguous room for them."""
+    def load_span(
+        self, seq: int, scratch: int, p0: int, p1: int, data: bytes | bytearray | memoryview
+    ) -> bool:
+        """Put saved cells back at positions [p0, p1) of ``seq``, which must end at p0.
+        False, with nothing changed, when llama.cpp finds no room for them, refuses the
+        bytes, or they hold other positions than [p0, p1)."""
         if self.model.length(seq) != p0:
             raise ValueError(f"seq {seq} has {self.model.length(seq)} positions, not {p0}")
         if not self.rt.seq_load(scratch, data):
+            self.rt.seq_rm(scratch)
             return False
-        self.version += 1
-        self.rt.seq_cp(scratch, seq, p0, -1)
-        self.rt.seq_rm(scratch)
-        self.model.append(seq, n)
+        try:
+            if not self._holds(scratch, p0, p1):
+                return False
+            self.version += 1
+            self.rt.seq_cp(scratch, seq, p0, -1)
+            guard = self._guards.get(seq)
+            if guard is not None:
+                self.rt.seq_cp(scratch, guard, p0, -1)
+        finally:
+            self.rt.seq_rm(scratch)
+        self.model.append(seq, p1 - p0)
         return True
+
+    def _holds(self, seq: int, p0: int, p1: int) -> bool:
+        """Whether ``seq`` holds exactly positions [p0, p1): its last, and (where cells are
+        kept by position) its first. On a sliding-window model the first is the window
+        layers': cells llama.cpp's writer left out of the window show here."""
+        info = self.rt.info
+        if self.rt.seq_pos_max(seq) != p1 - 1:
+            return False
+        return info.is_recurrent or info.is_hybrid or self.rt.seq_pos_min(seq) == p0
+
+    def park(self, seq: int, scratch: int, p0: int) -> bytearray:
+        """Move positions [p0, end) of ``seq``, cells only it holds (``model.private_from``),
+        out of the cache: their serialized data. ``scratch`` is an empty sequence id, used to
+        save just that tail."""
+        data = self.save_span(seq, scratch, p0)
+        self.truncate(seq, p0)
+        return data
+
+    def unpark(self, seq: int, scratch: int, p0: int, n: int, data: bytes | bytearray) -> bool:
+        """Put back ``n`` parked cells at positions [p0, p0 + n) of ``seq``, which must end
+        at p0. False (nothing changed) when the cache has no room for them."""
+        return self.load_span(seq, scratch, p0, p0 + n, data)
 
     @property
     def used(self) -> int:

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Literal
 
 MemoryKind = Literal["attention", "sliding_window", "recurrent", "hybrid"]
@@ -96,3 +97,16 @@ def recycled_below(horizon: int, n_swa: int, keep: int, protected: int) -> bool:
     if n_swa <= 0 or keep <= protected:
         return False
     return max(keep - n_swa + 1, protected) < min(horizon, keep)
+
+
+def save_spans(p0: int, p1: int, n_swa: int) -> list[tuple[int, int]]:
+    """How to save positions [p0, p1) so that llama.cpp writes every cell: its writer leaves
+    out the window layers' cells that the sequence's last token no longer sees, so on a
+    sliding-window model a range is saved a window at a time (spans that start on a
+    multiple of the window: whole chunks for chunked attention too). One span elsewhere."""
+    if p1 <= p0:
+        return []
+    if n_swa <= 0:
+        return [(p0, p1)]
+    cuts = range((p0 // n_swa + 1) * n_swa, p1, n_swa)
+    return list(pairwise([p0, *cuts, p1]))

@@ -38,6 +38,7 @@ from polykv_engine.llama.omp import decide_once, omp_wait
 # The entry point decides first, knowing -t; a library user gets the budget's thread count.
 decide_once()
 
+import llama_cpp
 import llama_cpp.llama_cpp as C
 import numpy as np
 
@@ -463,6 +464,33 @@ class LlamaRuntime:
         self.can_shift = bool(C.llama_memory_can_shift(self._mem))
         self.kv_bytes_per_token, self.swa_bytes_per_token, self.state_bytes = self._measure_memory()
 
+    def kv_layout(self) -> str:
+        """What shapes this context's serialized KV bytes beside the model file: cache
+        types, the attention kernel (it decides whether V is stored transposed), streams,
+        the window layers' cache, offloaded layers."""
+        cfg = self.cfg
+        fa = {
+            int(C.LLAMA_FLASH_ATTN_TYPE_ENABLED): "on",
+            int(C.LLAMA_FLASH_ATTN_TYPE_DISABLED): "off",
+        }
+        return (
+            f"k={cfg.cache_type_k} v={cfg.cache_type_v} "
+            f"fa={fa.get(self._flash_attn_type(cfg), 'auto')} unified={int(cfg.kv_unified)} "
+            f"swa_full={int(cfg.swa_full)} ngl={cfg.n_gpu_layers}"
+        )
+
+    @property
+    def build_label(self) -> str:
+        """The llama-cpp-python release and PolyKV's patches to it."""
+        return f"llama-cpp-python {llama_cpp.__version__}; patches {','.join(self.backend.patches)}"
+
+    def library_files(self) -> list[Path]:
+        """The llama.cpp libraries this process runs (libllama, ggml's base and the CPU
+        backend ggml chose): what a snapshot's build digest is taken over."""
+        found = [_mapped(r"libllama\.so[.0-9]*"), _mapped(r"libggml-base\.so[.0-9]*")]
+        found.append(self.backend.cpu_library)
+        return [Path(p) for p in found if p]
+
     @staticmethod
     def _flash_attn_type(cfg: RuntimeConfig) -> int:
         # "auto" is on where layers run on the CPU: in one unified cache the plain kernel
@@ -643,20 +671,29 @@ class LlamaRuntime:
         self._check_seq(seq)
         C.llama_memory_seq_add(self._mem, seq, p0, p1, delta)
 
-    def seq_save(self, seq: int) -> bytes:
-        """The cells of ``seq`` (tokens' positions and K/V rows), serialized by llama.cpp."""
+    def seq_save(self, seq: int) -> bytearray:
+        """The cells of ``seq`` (tokens' positions and K/V rows; a recurrent state),
+        serialized by llama.cpp straight into the returned buffer."""
         self._check_seq(seq)
         size = int(C.llama_state_seq_get_size(self.ctx, seq))
-        buf = (ctypes.c_uint8 * size)()
+        out = bytearray(size)
+        buf = (ctypes.c_uint8 * size).from_buffer(out)
         n = int(C.llama_state_seq_get_data(self.ctx, buf, size, seq))
-        return ctypes.string_at(buf, n)  # not bytes(buf[:n]): that builds a list of ints
+        del buf  # the export must go before the bytearray may change size
+        if n != size:
+            del out[n:]
+        return out
 
-    def seq_load(self, seq: int, data: bytes) -> bool:
+    def seq_load(self, seq: int, data: bytes | bytearray | memoryview) -> bool:
         """Put saved cells back, into the empty ``seq`` at their saved positions. False when
-        llama.cpp finds no contiguous run of free cells for them (``seq`` stays empty)."""
+        llama.cpp finds no room for them or refuses the bytes (``seq`` stays empty). The
+        bytes are read in place, not copied (a snapshot can be hundreds of MB)."""
         self._check_seq(seq)
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        return int(C.llama_state_seq_set_data(self.ctx, buf, len(data), seq)) > 0
+        view = memoryview(data).cast("B")
+        if view.readonly:  # ctypes only maps writable buffers; bytes from a file are not
+            view = memoryview(bytearray(view))
+        buf = (ctypes.c_uint8 * len(view)).from_buffer(view)
+        return int(C.llama_state_seq_set_data(self.ctx, buf, len(view), seq)) > 0
 
     def seq_pos_min(self, seq: int) -> int:
         """The smallest position ``seq`` still holds (-1 when empty). With a sliding-window

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import cached_property
 
-from polykv_api.models import PoolList, PoolSession, PoolStatus
+from polykv_api.models import PoolList, PoolSession, PoolStatus, SnapshotStoreStatus
 from polykv_engine.kv.cells import KVModel
 from polykv_engine.policy.tps import ActiveRates, active_rates
 from polykv_engine.pools.manager import AttachedSlot, PoolManager
@@ -105,6 +105,7 @@ class _Attribution:
                 own_kv_bytes=own,
                 subtree_kv_bytes=subtree,
                 residency=pool.residency,
+                materialized_from=pool.source,
                 pinned=pools.is_pinned(pool, slots),
                 pinned_explicit=pool.pinned,
                 orphaned_pin=pool.pinned and not attached and not pool.children,
@@ -168,6 +169,22 @@ def render(
         n_warming=everyone.n_warming,
         active_tps_sum=everyone.tps_sum,
         mean_active_tps=everyone.mean,
+        snapshots=_store_status(pools),
+    )
+
+
+def _store_status(pools: PoolManager) -> SnapshotStoreStatus | None:
+    store = pools.store
+    if store is None:
+        return None
+    st = store.stats_now()
+    return SnapshotStoreStatus(
+        used_bytes=store.used_bytes,
+        max_bytes=store.max_bytes,
+        files=store.n_files,
+        bytes_written=st.bytes_written,
+        bytes_read=sum(st.bytes_read.values()),
+        refusals=sum(st.refusals.values()),
     )
 
 

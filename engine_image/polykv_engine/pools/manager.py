@@ -18,7 +18,10 @@ from typing import Literal, Protocol
 from polykv_api.models import PoolRef
 from polykv_engine.kv.cache import KVCache
 from polykv_engine.llama.runtime import Batch
-from polykv_engine.pools.tree import Pool, PoolError, PoolTree
+from polykv_engine.persist.fileformat import KVSnapshot, SnapshotRefused
+from polykv_engine.persist.store import SnapshotStore
+from polykv_engine.pools import persisted
+from polykv_engine.pools.tree import Pool, PoolError, PoolTree, Source
 
 log = logging.getLogger("polykv.pools")
 
@@ -68,6 +71,8 @@ class PoolSpec:
     dry_run: bool
     parent: PoolRef | None = None
     branch_pos: int | None = None
+    snapshot: KVSnapshot | None = None  # checked cells for this prefix: restore, not prefill
+    snapshot_source: Source = "store"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +80,13 @@ class CreateResult:
     pool: Pool
     created: bool
     ready: concurrent.futures.Future[None]
+    refused: SnapshotRefused | None = None  # the snapshot given, and why it was not used
+
+
+def _done() -> concurrent.futures.Future[None]:
+    fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+    fut.set_result(None)
+    return fut
 
 
 def _settle(fut: concurrent.futures.Future[None], error: BaseException | None = None) -> None:
@@ -98,6 +110,8 @@ class PoolManager:
         state_bytes: int = 0,
         extend_only: bool = False,
         on_removed: Callable[[int], None] = lambda pool_id: None,
+        store: SnapshotStore | None = None,
+        scratch: int | None = None,
     ) -> None:
         self.kv = kv
         self.tree = PoolTree(seq_ids, extend_only)
@@ -107,6 +121,9 @@ class PoolManager:
         self._session_tokens = session_tokens
         self._on_removed = on_removed  # sessions linked to a removed pool are no longer
         self.builds: list[Build] = []
+        # Where built pools' cells are saved, and the spare sequence they go through.
+        self.store = store if scratch is not None else None
+        self.scratch = scratch
 
     # ------------------------------------------------------------------ create / fork
 
@@ -141,16 +158,20 @@ class PoolManager:
             assert pool.seq_id is not None
             self.kv.share(src_slot, pool.seq_id, 0, pool.prefix_len)
             pool.n_materialized = pool.prefix_len
+            pool.source = "session"
             self.tree.set_residency(pool, "resident")
-            done: concurrent.futures.Future[None] = concurrent.futures.Future()
-            done.set_result(None)
             log.info(
                 "pool %s: snapshot of session %s, %d tokens",
                 pool.label,
                 spec.from_session,
                 pool.prefix_len,
             )
-            return CreateResult(pool, True, done)
+            return CreateResult(pool, True, _done())
+        refused = None
+        if spec.snapshot is not None:
+            refused = self._restore(pool, parent, spec.snapshot, spec.snapshot_source)
+            if refused is None:
+                return CreateResult(pool, True, _done())
         log.info(
             "pool %s: materializing L=%d D=%d parent=%s",
             pool.label,
@@ -160,7 +181,41 @@ class PoolManager:
         )
         build = Build(pool)
         self.builds.append(build)
-        return CreateResult(pool, True, self._waiter(build))
+        return CreateResult(pool, True, self._waiter(build), refused)
+
+    def _restore(
+        self, pool: Pool, parent: Pool | None, snap: KVSnapshot, source: Source
+    ) -> SnapshotRefused | None:
+        """Materialize ``pool`` from a checked snapshot; the refusal when it could not be
+        (the pool's sequence is then empty, and it is built by prefill instead)."""
+        assert self.scratch is not None
+        t0 = time.perf_counter()
+        try:
+            persisted.restore(self.kv, self.scratch, pool, parent, snap)
+        except SnapshotRefused as exc:
+            if self.store is not None:
+                self.store.refused(exc.reason)
+            log.warning(
+                "pool %s: snapshot from %s refused (%s): %s; prefilling",
+                pool.label,
+                source,
+                exc.reason,
+                exc.message,
+            )
+            return exc
+        pool.n_materialized = pool.prefix_len
+        pool.source = source
+        self.tree.set_residency(pool, "resident")
+        log.info(
+            "pool %s: restored from %s, L=%d D=%d, %.1f MiB in %.3fs",
+            pool.label,
+            source,
+            pool.prefix_len,
+            pool.branch_pos,
+            snap.payload_bytes / 2**20,
+            time.perf_counter() - t0,
+        )
+        return None
 
     def _prefix_tokens(self, spec: PoolSpec) -> tuple[list[int], int | None]:
         """The prefix, and the slot whose cells already hold it (None: prefill it)."""
@@ -210,9 +265,7 @@ class PoolManager:
     def ensure_resident(self, pool: Pool) -> concurrent.futures.Future[None]:
         """A future that completes when ``pool`` is in KV, re-materializing it if evicted."""
         if pool.residency == "resident":
-            fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-            fut.set_result(None)
-            return fut
+            return _done()
         for build in self.builds:
             if build.pool is pool:
                 return self._waiter(build)
@@ -286,8 +339,12 @@ class PoolManager:
                 build.batch_tokens = 0
             if build.started and pool.n_materialized == pool.prefix_len:
                 self.tree.set_residency(pool, "resident")
+                pool.source = "prefill"
                 self.builds.remove(build)
                 log.info("pool %s: resident (%d tokens)", pool.label, pool.prefix_len)
+                # A kept prefix is one tenant's prompt, never restored: it stays off disk.
+                if self.store is not None and self.scratch is not None and not pool.kept:
+                    persisted.save(self.kv, self.scratch, self.store, pool)
                 for fut in build.waiters:
                     _settle(fut)
         return total

@@ -24,6 +24,7 @@ from polykv_engine.ids import decimal
 from polykv_engine.tokens import common_prefix_len
 
 Residency = Literal["materializing", "resident", "evicted"]
+Source = Literal["prefill", "store", "peer", "session"]
 
 NAME_RE = re.compile(POOL_NAME_PATTERN)
 _HASH_SEED = 0x9E3779B97F4A7C15
@@ -81,6 +82,7 @@ class Pool:
     created_ts: float = field(default_factory=time.time)
     last_access_ts: float = field(default_factory=time.time)
     n_materialized: int = 0  # positions of the pool's sequence that are in KV
+    source: Source = "prefill"  # how its own cells were last materialized
     admission: AdmissionPolicy | None = None
     # A kept prefix (pools.kept): the tenant whose cache_control breakpoint it holds, and
     # until when. None: a declared pool, shared by design.

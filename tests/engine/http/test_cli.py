@@ -26,6 +26,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["-np", "0"], "--parallel must be >= 1"),
         (["--polykv-max-pools", "-1"], "--polykv-max-pools must be >= 0"),
         (["--polykv-park-mib", "-1"], "--polykv-park-mib must be >= 0"),
+        (["--polykv-snapshot-mib", "0"], "--polykv-snapshot-mib must be >= 1"),
+        (["--polykv-snapshot-mib", "99999999999"], "--polykv-snapshot-mib must be <= 16777216"),
         (["--polykv-tps-interval-ms", "5"], "between 50 and 60000"),
         (["--polykv-stream-interval-ms", "-1"], "between 0 and 1000"),
         (["--polykv-stream-interval-ms", "5000"], "between 0 and 1000"),

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from polykv_engine.kv.memory import Memory, recycle_horizon, recycled_below, window_cache_cells
+from polykv_engine.kv.memory import (
+    Memory,
+    recycle_horizon,
+    recycled_below,
+    save_spans,
+    window_cache_cells,
+)
 
 
 @pytest.mark.parametrize(
@@ -53,3 +59,24 @@ def test_recycled_below(horizon: int, keep: int, protected: int, lost: bool) -> 
     assert recycle_horizon(100, 512) == 0 and recycle_horizon(5000, 0) == 0
     assert recycled_below(horizon, 512, keep, protected) is lost
     assert recycled_below(horizon, 0, keep, protected) is False  # no window, nothing recycled
+
+
+@pytest.mark.parametrize(
+    ("p0", "p1", "n_swa", "spans"),
+    [
+        (0, 5, 0, [(0, 5)]),  # no window: one span
+        (7, 7, 0, []),
+        (70, 200, 32, [(70, 96), (96, 128), (128, 160), (160, 192), (192, 200)]),
+        (0, 64, 32, [(0, 32), (32, 64)]),
+        (31, 33, 32, [(31, 32), (32, 33)]),
+    ],
+)
+def test_save_spans_cover_the_range_a_window_at_most_each(
+    p0: int, p1: int, n_swa: int, spans: list[tuple[int, int]]
+) -> None:
+    got = save_spans(p0, p1, n_swa)
+    assert got == spans
+    # Each span is at most a window long and inside one window-aligned chunk: llama.cpp's
+    # writer keeps every cell of it (standard and chunked attention alike).
+    for a, b in got:
+        assert a < b and (n_swa == 0 or (b - a <= n_swa and a // n_swa == (b - 1) // n_swa))

@@ -7,7 +7,9 @@ that takes a pool id also takes the pool's name: ids are per replica, names are 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import xxhash
@@ -25,18 +27,20 @@ from polykv_api.models import (
     PoolPrefix,
     PoolRef,
     PoolReleased,
+    PoolRestore,
     PoolStatus,
 )
 from polykv_engine.core import pool_ops
 from polykv_engine.core.engine import Engine
-from polykv_engine.http import tracing
+from polykv_engine.http import snapshot_peer, tracing
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.auth import identity_of, require_admin
 from polykv_engine.http.errors import ApiError, body_bytes, parse
 from polykv_engine.http.offload import offload
 from polykv_engine.ids import decimal
+from polykv_engine.persist.fileformat import KVSnapshot, SnapshotRefused
 from polykv_engine.pools.manager import PoolSpec
-from polykv_engine.pools.tree import Pool, PoolError, validate_name
+from polykv_engine.pools.tree import Pool, PoolError, Source, validate_name
 
 T = TypeVar("T")
 
@@ -117,6 +121,40 @@ def _prefix_tokens(ctx: AppContext, req: PoolPrefix) -> list[int] | None:
     return ctx.check_prompt_fits(tokens, for_pool=True)
 
 
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """What the snapshot lookup for a new pool found."""
+
+    snapshot: KVSnapshot | None = None
+    source: Source = "store"
+    refused: SnapshotRefused | None = None
+
+
+async def _find_snapshot(ctx: AppContext, req: PoolPrefix, tokens: list[int] | None) -> _Found:
+    """This replica's stored snapshot of the prefix, else the peer's the request names
+    (read and checked off the event loop); nothing for a pool that exists already."""
+    store = ctx.engine.snapshots
+    if store is None or tokens is None or req.dry_run:
+        return _Found()
+    if req.name is not None and ctx.engine.snapshot.pool(req.name) is not None:
+        return _Found()  # a retried create: the engine returns the pool it has
+    key = store.pool_key(tokens)
+    n_swa = ctx.rt.info.n_swa
+    bound = store.bound(len(tokens), n_spans=len(tokens) // n_swa + 2 if n_swa else 1)
+    try:
+        snap = await asyncio.to_thread(store.load, key, bound)
+        if snap is not None:
+            return _Found(snap, "store")
+        if req.restore_peer is None:
+            return _Found()
+        admin = ctx.settings.admin_keys[0] if ctx.settings.admin_keys else None
+        what = f"pool {req.name or key.subject[:12]}"
+        snap = await snapshot_peer.fetch(store, req.restore_peer, key, bound, admin, what)
+        return _Found(snap, "peer")
+    except SnapshotRefused as exc:
+        return _Found(refused=exc)
+
+
 async def _create(request: web.Request, req: PoolPrefix, parent: PoolRef | None) -> web.Response:
     attrs: dict[str, str | bool] = {
         "polykv.pool.name": req.name or "",
@@ -142,6 +180,8 @@ async def _create_traced(
     # A 30k-token prefix's template and tokenizing take tens of ms, seconds for a large body:
     # off the event loop, like an inference request's prompt.
     tokens = await offload(request, body_bytes(request), _prefix_tokens, ctx, req)
+    t0 = time.perf_counter()
+    found = await _find_snapshot(ctx, req, tokens)
     spec = PoolSpec(
         tokens=tokens,
         from_session=req.from_session,
@@ -150,6 +190,8 @@ async def _create_traced(
         dry_run=req.dry_run,
         parent=parent,
         branch_pos=getattr(req, "branch_pos", None),
+        snapshot=found.snapshot,
+        snapshot_source=found.source,
     )
     result = await on_engine(ctx, lambda e: pool_ops.create(e, spec))
     if isinstance(result, Pool):  # dry run: what would be created
@@ -168,8 +210,26 @@ async def _create_traced(
         raise _api_error(exc) from exc
     pool_id = result.pool.pool_id
     status = (await subtree(ctx, pool_id))[0]
+    restore = None
+    if result.created:
+        refused = result.refused or found.refused
+        source = result.pool.source
+        seconds = time.perf_counter() - t0
+        restored = found.snapshot if source in ("store", "peer") else None
+        if restored is not None and ctx.restore_seconds is not None:
+            ctx.restore_seconds.labels(source).observe(seconds)
+        restore = PoolRestore(
+            source=source,
+            refused=refused.reason if refused else None,
+            message=refused.message if refused else None,
+            snapshot_bytes=found.snapshot.size
+            if source in ("store", "peer") and found.snapshot
+            else 0,
+            seconds=seconds,
+        )
     body = PoolCreated(
         created=result.created,
+        restore=restore,
         pool=status,
         pool_id=status.pool_id,
         prefix_len=status.prefix_len,

@@ -1,0 +1,1 @@
+"""KV snapshots on disk: what makes saved cells valid, the file format, and the store."""
