@@ -336,3 +336,93 @@ def test_a_bad_restore_peer_is_refused_naming_the_field(engine: EngineProcess, p
         timeout=30,
     )
     assert r.status_code == 400 and "restore_peer" in r.text
+
+
+# ------------------------------------------------------------ other memory kinds
+
+SWA_TWIG = TOKENS[:70] + TWIG[BRANCH_AT:]  # branches 2 windows below the root's end
+
+
+@pytest.fixture(scope="module")
+def start_model(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[..., EngineProcess]]:
+    started: list[EngineProcess] = []
+    logs = tmp_path_factory.mktemp("snapshot-kinds")
+
+    def start(model: Path, store: Path) -> EngineProcess:
+        eng = EngineProcess(
+            model=model,
+            args=[
+                "-np",
+                "2",
+                "-c",
+                "2048",
+                "--polykv-admin-key",
+                "admin-key",
+                "--polykv-snapshot-dir",
+                str(store),
+                *DETERMINISTIC,
+            ],
+            log_path=logs / f"{model.stem}-{len(started)}.log",
+        )
+        eng.start()
+        started.append(eng)
+        return eng
+
+    yield start
+    for eng in started:
+        eng.stop()
+
+
+def kind_tree(kind: str) -> list[tuple[str, str | None, list[int], list[list[int]]]]:
+    """(name, parent, tokens, prompts) for each pool: a sliding-window branch and attaches
+    well below the window's reach of the end; recurrent pools extend and attach at the end."""
+    if kind == "swa":
+        return [
+            ("root", None, TOKENS[:ROOT_LEN], [TOKENS[:60] + [7], TOKENS[:ROOT_LEN] + [7]]),
+            ("twig", "root", SWA_TWIG, [SWA_TWIG[:100] + [7], SWA_TWIG + [7]]),
+        ]
+    return [
+        ("root", None, TOKENS[:ROOT_LEN], [TOKENS[:ROOT_LEN] + [7, 8]]),
+        ("kid", "root", TOKENS, [TOKENS + [7, 8]]),
+    ]
+
+
+def kind_run(eng: EngineProcess, kind: str) -> tuple[list[str], list[Any]]:
+    sources, out = [], []
+    with client(eng) as c:
+        for name, parent, tokens, _ in kind_tree(kind):
+            url = "/polykv/pools" if parent is None else f"/polykv/pools/{parent}/fork"
+            r = c.post(url, json={"name": name, "tokens": tokens}, headers=ADMIN)
+            assert r.status_code == 201, r.text
+            sources.append(r.json()["restore"]["source"])
+        for name, _, _, prompts in kind_tree(kind):
+            for prompt in prompts:
+                body = {"prompt": prompt, "pool_id": name, "n_predict": 12, "temperature": 0}
+                r = c.post("/completion", json={**body, "n_probs": 3}, headers=ADMIN)
+                assert r.status_code == 200, r.text
+                out.append((r.json()["tokens"], r.json()["completion_probabilities"]))
+        wait_files(c, len(kind_tree(kind)))
+    return sources, out
+
+
+@pytest.mark.parametrize("kind", ["swa", "mamba", "jamba"])
+def test_sliding_window_and_recurrent_pools_restore_bit_identical(
+    start_model: Callable[..., EngineProcess],
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    kind: str,
+) -> None:
+    """A sliding-window pool is saved a window at a time (llama.cpp's writer would leave out
+    the cells its last token no longer sees, which an attach or a branch lower down needs);
+    a recurrent one saves its state at the end with its attention cells."""
+    model = request.getfixturevalue(f"{kind}_model")
+    first = start_model(model, tmp_path / "store")
+    sources, before = kind_run(first, kind)
+    assert set(sources) == {"prefill"}
+    first.stop()
+    again = start_model(model, tmp_path / "store")
+    sources, after = kind_run(again, kind)
+    assert set(sources) == {"store"}
+    assert after == before
