@@ -18,7 +18,7 @@ import aiohttp
 
 from polykv_engine.persist.fileformat import KVSnapshot, SnapshotRefused
 from polykv_engine.persist.key import SnapshotKey
-from polykv_engine.persist.store import SnapshotStore
+from polykv_engine.persist.store import SnapshotStore, private_file
 
 log = logging.getLogger("polykv.snapshots")
 
@@ -77,7 +77,7 @@ async def _receive(
 ) -> None:
     """Stream the body into ``tmp`` (writes off the event loop), exactly ``size`` bytes."""
     got, logged, t0 = 0, 0, time.perf_counter()
-    with open(tmp, "wb") as f:
+    with private_file(tmp) as f:
         async for chunk in resp.content.iter_chunked(CHUNK_BYTES):
             got += len(chunk)
             if got > size:

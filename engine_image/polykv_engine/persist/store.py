@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from polykv_engine.persist import fileformat
 from polykv_engine.persist.fileformat import KVSnapshot, SnapshotRefused, Span
@@ -41,6 +42,11 @@ HEADER_BYTES = 1 << 20
 MAX_PENDING_BYTES = 1 << 30  # copies waiting for the writer beyond the first one
 
 WriteSkip = str  # "too_large" | "busy" | "disk_full" | "write_failed"
+
+
+def private_file(path: Path) -> BinaryIO:
+    """A new file only this user reads: a snapshot holds a prompt's KV (its text, nearly)."""
+    return open(path, "xb", opener=lambda p, flags: os.open(p, flags, 0o600))
 
 
 @dataclass(slots=True)
@@ -268,7 +274,7 @@ class SnapshotStore:
         tmp = self.incoming()
         t0 = time.perf_counter()
         try:
-            with open(tmp, "wb") as f:
+            with private_file(tmp) as f:
                 f.write(head)
                 for span in job.spans:
                     f.write(span.data)

@@ -188,3 +188,22 @@ def test_kv_pressure_releases_a_kept_prefix(
     )
     assert plain.usage.input_tokens > 1024 - kept_len
     assert kept(eng) == []
+
+
+def test_a_kept_prefix_is_never_written_to_the_snapshot_store(
+    start_engine: Callable[..., EngineProcess], key_file: Path, tmp_path: Path
+) -> None:
+    store = tmp_path / "snapshots"
+    eng = keyed_engine(start_engine, key_file, "--polykv-snapshot-dir", str(store))
+    ask(eng, "k1", "Plan the trip.")
+    wait_for(
+        "the kept prefix built",
+        lambda: [p for p in kept(eng) if p["residency"] == "resident"] or None,
+        timeout_s=120,
+    )
+    declared = {"name": "crew", "tokens": list(range(5, 105))}
+    r = httpx.post(f"{eng.base_url}/polykv/pools", json=declared, headers=ADMIN, timeout=120)
+    assert r.status_code == 201, r.text
+    # One writer, in order: once the declared pool's file is there, a kept one would be too.
+    files = wait_for("the pool's snapshot", lambda: list(store.iterdir()) or None, timeout_s=120)
+    assert len(files) == 1

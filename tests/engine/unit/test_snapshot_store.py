@@ -140,6 +140,14 @@ def test_the_store_writes_loads_and_drops_the_least_recently_used(tmp_path: Path
     s.close()
 
 
+def test_snapshot_files_are_readable_by_their_owner_only(tmp_path: Path) -> None:
+    s = store(tmp_path)
+    s.save(pool_key(FP, TOKENS), SPANS, 100, wait=True)
+    (path,) = (tmp_path / "store").iterdir()
+    assert path.stat().st_mode & 0o777 == 0o600  # whatever the umask
+    s.close()
+
+
 def test_a_snapshot_larger_than_the_store_is_skipped_and_counted(tmp_path: Path) -> None:
     s = store(tmp_path, max_bytes=500)
     assert s.accepts(600) == "too_large"
