@@ -304,15 +304,19 @@ class Round:
         if node.uid in self.state.deleting:
             return
         client = self.clients[obs.pod]
+        request = want.request
+        peer = self._peer_for(obs, node.name)
+        if peer is not None:
+            request = request.model_copy(update={"restore_peer": peer})
         try:
             try:
-                res = await client.create(want.parent, want.request)
+                res = await client.create(want.parent, request)
             except EngineRejected as exc:
                 # A tree larger than the replica's pool sequence ids: a cold pool makes room
                 # (the engine keeps it, and re-materializes it on its next attach or fork).
                 if exc.reason != FULL or not await self._evict_one(obs, want):
                     raise
-                res = await client.create(want.parent, want.request)
+                res = await client.create(want.parent, request)
         except EngineUnreachable as exc:
             obs.reachable, obs.error = False, str(exc)
             errors[obs.pod] = CreateError(f"no answer: {exc}")
@@ -334,8 +338,10 @@ class Round:
         crash_point("pool-created")  # created on the engine, not yet in any status
         if res.pool is not None:
             obs.add_pool(res.pool)  # children in this round see their parent
+        restore = res.restore
         log.info(
-            "pool materialized ns=%s pool=%s pod=%s pool_id=%s created=%s len=%d d=%d",
+            "pool materialized ns=%s pool=%s pod=%s pool_id=%s created=%s len=%d d=%d "
+            "source=%s refused=%s seconds=%s",
             node.namespace,
             node.name,
             obs.pod,
@@ -343,7 +349,30 @@ class Round:
             res.created,
             res.prefix_len,
             res.branch_pos,
+            restore.source if restore else None,
+            restore.refused if restore else None,
+            f"{restore.seconds:.3f}" if restore else None,
         )
+
+    def _peer_for(self, obs: Observation, name: str) -> str | None:
+        """Another replica holding pool `name` in its cache, for `obs`'s replica to fetch its
+        snapshot from when its own store has none (one whose gate is up first)."""
+        snaps = self.view.spec.snapshots
+        if not (snaps.enabled and snaps.from_peers):
+            return None
+        found = []
+        for other in self._reachable():
+            pool = other.pool(name)
+            pod = self.pods.get(other.pod)
+            if other.pod == obs.pod or pool is None or pool.residency != "resident":
+                continue
+            if pod is not None and pod.ip:
+                found.append((pod.gate != "True", pod.name, pod.ip))
+        if not found:
+            return None
+        ip = min(found)[2]
+        host = f"[{ip}]" if ":" in ip else ip
+        return f"http://{host}:{self.view.spec.port}"
 
     async def _evict_one(self, obs: Observation, want: Desired) -> bool:
         """Evicts the coldest declared pool of this replica that nobody uses (not pinned, no

@@ -33,6 +33,7 @@ ROUTER_API_KEY_ENV = "POLYKV_ROUTER_ENGINE_API_KEY"
 ROUTER_SA_DIR_ENV = "POLYKV_ROUTER_SERVICEACCOUNT_DIR"
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 TOKEN_SECONDS = 3607  # what the ServiceAccount admission plugin asks for; the kubelet rotates
+SNAPSHOT_DIR = "/var/lib/polykv/snapshots"
 
 Obj = dict[str, Any]
 
@@ -120,6 +121,11 @@ def engine_args(spec: PolyKVEngineSpec) -> list[str]:
     ]  # fmt: skip
     if spec.threads is not None:
         args += ["-t", str(spec.threads)]
+    if spec.snapshots.enabled:
+        args += [
+            "--polykv-snapshot-dir", SNAPSHOT_DIR,
+            "--polykv-snapshot-mib", str(spec.snapshots.size_mib),
+        ]  # fmt: skip
     return args + list(spec.extra_args or [])
 
 
@@ -140,6 +146,14 @@ def _model_volume(spec: PolyKVEngineSpec) -> tuple[Obj, Obj]:
     source = spec.model.volume or {"emptyDir": {}}
     volume = {"name": "model", **source}
     return volume, {"name": "model", "mountPath": mount, "readOnly": True}
+
+
+def _snapshot_volume(spec: PolyKVEngineSpec) -> tuple[Obj, Obj]:
+    snaps = spec.snapshots
+    # An emptyDir past its sizeLimit gets the pod evicted: twice the store's bound leaves
+    # room for a file on its way in (the store counts it once whole).
+    source = snaps.volume or {"emptyDir": {"sizeLimit": f"{2 * snaps.size_mib}Mi"}}
+    return {"name": "snapshots", **source}, {"name": "snapshots", "mountPath": SNAPSHOT_DIR}
 
 
 def _api_key_env(engine: str, spec: PolyKVEngineSpec, var: str) -> list[Obj]:
@@ -192,6 +206,11 @@ def deployment(name: str, spec: PolyKVEngineSpec) -> Obj:
     }
     if spec.resources:
         container["resources"] = spec.resources
+    volumes = [volume]
+    if spec.snapshots.enabled:
+        snap_volume, snap_mount = _snapshot_volume(spec)
+        volumes.append(snap_volume)
+        container["volumeMounts"].append(snap_mount)
     pod_spec: Obj = {
         # The operator sets this condition once the replica holds every declared pool.
         "readinessGates": [{"conditionType": GATE}],
@@ -200,7 +219,7 @@ def deployment(name: str, spec: PolyKVEngineSpec) -> Obj:
         "securityContext": _pod_security(),
         "terminationGracePeriodSeconds": 30,
         "containers": [container],
-        "volumes": [volume],
+        "volumes": volumes,
     }
     if spec.model.init is not None:
         init = spec.model.init

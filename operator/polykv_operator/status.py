@@ -23,6 +23,7 @@ from .api import (
     PoolCapacity,
     PoolReplica,
     ReplicaStatus,
+    SnapshotTotals,
 )
 from .api.meta import Condition
 from .conditions import Verdict, conditions_for
@@ -30,6 +31,7 @@ from .fleet import EngineState, Observation, Render, RenderFailure
 from .policies import PolicyNode, Selection, engine_policy, same_policy
 from .tree import PoolNode, Problem, check, path_of
 
+RESTORED = ("store", "peer")  # materialized_from values of a pool restored from a snapshot
 NAME_CLASH = "NameClash"  # an object the engine would own is held by somebody else
 STUCK_WAITING = (
     "CrashLoopBackOff",
@@ -195,7 +197,13 @@ def _observed(st: PolyKVPoolStatus, name: str, serving: Sequence[Observation]) -
         if p is None or obs.boot_id is None:
             continue
         replicas.append(
-            PoolReplica(pod=obs.pod, pool_id=p.pool_id, boot_id=obs.boot_id, residency=p.residency)
+            PoolReplica(
+                pod=obs.pod,
+                pool_id=p.pool_id,
+                boot_id=obs.boot_id,
+                residency=p.residency,
+                materialized_from=p.materialized_from,
+            )
         )
         found.append(p)
         sessions += len(p.sessions)
@@ -241,6 +249,7 @@ def inputs_key(
                     p.pool_id,
                     p.prefix_hash,
                     p.residency,
+                    p.materialized_from,
                     p.orphaned_pin,
                     len(p.sessions),
                     p.own_kv_bytes,
@@ -285,6 +294,7 @@ def engine_status(
     ready = [p for p in pods if p.ready and p.gate == "True"]
     names = {n.name for n in declared}
     evicted_total = 0
+    totals = SnapshotTotals()
     rows: list[ReplicaStatus] = []
     for pod in sorted(pods, key=lambda p: p.name):
         obs = state.replicas.get(pod.name)
@@ -301,6 +311,14 @@ def engine_status(
             theirs = [p for p in lst.pools if p.name not in names]
             row.pools_evicted = sum(1 for p in ours if p.residency == "evicted")
             evicted_total += row.pools_evicted
+            if lst.snapshots is not None:
+                live = [p for p in ours if p.residency == "resident"]
+                row.pools_restored = sum(1 for p in live if p.materialized_from in RESTORED)
+                row.pools_rebuilt = sum(1 for p in live if p.materialized_from == "prefill")
+                row.snapshot_bytes = lst.snapshots.used_bytes
+                totals.restored += row.pools_restored
+                totals.rebuilt += row.pools_rebuilt
+                totals.bytes += row.snapshot_bytes
             row.unmanaged_pools = len(theirs)
             orphans = sorted(p.name or f"#{p.pool_id}" for p in theirs if p.orphaned_pin)
             row.orphaned_pins = orphans or None
@@ -348,6 +366,7 @@ def engine_status(
         pools=on_all,
         mean_active_tps=state.mean_active_tps,
         replica_status=rows,
+        snapshots=totals if spec.snapshots.enabled else None,
     )
 
 

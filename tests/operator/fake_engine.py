@@ -27,8 +27,10 @@ from polykv_api.models import (
     PoolCreated,
     PoolList,
     PoolSession,
+    PoolSource,
     PoolStatus,
     Reason,
+    SnapshotStoreStatus,
 )
 
 WARMING_TPS = 500.0  # what a just-started session's first tokens may look like
@@ -84,6 +86,7 @@ class FakePool:
     evicted: bool = False  # KV dropped, kept by name (re-materialized on use)
     pinned: bool = False
     last_access_ts: float = 0.0
+    source: PoolSource = "prefill"  # how its cells came to be (a restore_peer: "peer")
 
     def sessions(self) -> list[PoolSession]:
         """Active sessions at their rates; warming ones with a wild first-tokens rate that
@@ -115,6 +118,7 @@ class FakePool:
             own_kv_bytes=(len(self.tokens) - self.branch_pos) * 8,
             subtree_kv_bytes=len(self.tokens) * 8,
             residency="evicted" if self.evicted else "resident",
+            materialized_from=self.source,
             pinned=self.pinned,
             pinned_explicit=self.pinned,
             orphaned_pin=self.pinned and not self.rates,
@@ -151,6 +155,8 @@ class FakeEngine:
     etags: bool = True  # answer If-None-Match with 304 like the engine (False: an older one)
     not_modified: int = 0  # listings answered 304
     admin_key: str | None = "k"  # what the operator's tests hold (EngineState.admin_key)
+    peers: list[tuple[str, str | None]] = field(default_factory=list)  # (pool, restore_peer)
+    snapshot_bytes: int = 1000  # what its snapshot store holds
     api_key: str | None = None  # an inference key: the listing then needs a key too
 
     def restart(self, boot_id: str) -> None:
@@ -227,6 +233,14 @@ class FakeEngine:
             sessions_active=len(rates) + sum(p.warming for p in self.pools.values()),
             sessions_refused=self.refused,
             sessions_headroom=self.headroom,
+            snapshots=SnapshotStoreStatus(
+                used_bytes=self.snapshot_bytes,
+                max_bytes=1 << 30,
+                files=len(self.pools),
+                bytes_written=0,
+                bytes_read=0,
+                refusals=0,
+            ),
         )
 
     def resident(self) -> list[FakePool]:
@@ -254,6 +268,8 @@ class FakeEngine:
             if d == 0:
                 return self._error(409, "no_common_prefix", "nothing in common with the parent")
         pool = FakePool(self.next_id, name, parent_ref, tokens, d, pinned=bool(body.get("pin")))
+        if body.get("restore_peer"):
+            pool.source = "peer"
         if body.get("dry_run"):
             return self._json(
                 200,
@@ -272,6 +288,7 @@ class FakeEngine:
             return self._error(409, "seq_ids_exhausted", "no free pool sequence id: all in use")
         self.next_id += 1
         self.pools[name] = pool
+        self.peers.append((name, body.get("restore_peer")))
         return self._created(pool, created=True, status=201)
 
     def _created(self, pool: FakePool, created: bool, status: int) -> httpx.Response:

@@ -35,6 +35,7 @@ class Harness:
         self.state = EngineState((NS, "eng"), admin_key="k")
         self.gates: list[tuple[str, bool, str]] = []
         self.http = httpx.AsyncClient(transport=FakeFleet(self.engines).transport())
+        self.spec = engine_spec()
 
     async def write_gate(self, name: str, want: GateWant) -> None:
         self.gates.append((name, want.status, want.reason))
@@ -50,7 +51,7 @@ class Harness:
         view = ClusterView(
             NS,
             "eng",
-            engine_spec(),
+            self.spec,
             list(self.pods.values()),
             list(pools),
             list(policies),
@@ -87,6 +88,31 @@ def test_tree_materializes_parents_first_on_every_replica_in_one_round() -> None
         ("eng-1", True, "PoolsMaterialized"),
         ("eng-2", True, "PoolsMaterialized"),
     ]
+
+
+def test_a_restarted_replica_is_told_to_restore_from_a_replica_that_holds_the_pools() -> None:
+    h = Harness(2)
+    h.run(tree())
+    h.engine(2).restart("boot-2b")
+    h.engine(2).peers.clear()
+    h.run(tree())
+    assert sorted(h.engine(2).peers) == [
+        (n, "http://10.0.0.1:8080") for n in ("branch", "extend", "root")
+    ]
+    status = engine_status(engine_spec(), "eng", 1, h.state, tree(), None, "app=eng").snapshots
+    assert status is not None
+    assert (status.restored, status.rebuilt, status.bytes) == (3, 3, 2000)
+
+
+def test_no_peer_is_named_when_snapshots_or_peers_are_off() -> None:
+    for snapshots in ({"enabled": False}, {"fromPeers": False}):
+        h = Harness(2)
+        h.spec = engine_spec(snapshots=snapshots)
+        h.run(tree())
+        h.engine(2).restart("boot-2b")
+        h.engine(2).peers.clear()
+        h.run(tree())
+        assert {peer for _, peer in h.engine(2).peers} == {None}
 
 
 def test_a_second_round_changes_nothing() -> None:

@@ -68,15 +68,42 @@ def test_model_volume_and_init() -> None:
         }
     )
     pod = manifests.deployment("e", spec)["spec"]["template"]["spec"]
-    assert pod["volumes"] == [{"name": "model", "persistentVolumeClaim": {"claimName": "models"}}]
-    assert pod["containers"][0]["volumeMounts"] == [
-        {"name": "model", "mountPath": "/weights", "readOnly": True}
-    ]
+    assert pod["volumes"][0] == {"name": "model", "persistentVolumeClaim": {"claimName": "models"}}
+    assert pod["containers"][0]["volumeMounts"][0] == {
+        "name": "model",
+        "mountPath": "/weights",
+        "readOnly": True,
+    }
     init = pod["initContainers"][0]
     assert init["image"] == spec.image and init["command"] == ["download", "/weights/q.gguf"]
-    assert init["volumeMounts"][0]["readOnly"] is False
+    assert init["volumeMounts"] == [{"name": "model", "mountPath": "/weights", "readOnly": False}]
     default = manifests.deployment("e", engine_spec())["spec"]["template"]["spec"]
-    assert default["volumes"] == [{"name": "model", "emptyDir": {}}]
+    assert default["volumes"][0] == {"name": "model", "emptyDir": {}}
+
+
+def _snapshot_parts(spec_fields: dict[str, object]) -> tuple[list[str], object, object]:
+    pod = manifests.deployment("e", engine_spec(**spec_fields))["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    volume = next((v for v in pod["volumes"] if v["name"] == "snapshots"), None)
+    mount = next((m for m in c["volumeMounts"] if m["name"] == "snapshots"), None)
+    return c["args"], volume, mount
+
+
+def test_snapshots_default_to_an_emptydir_with_room_for_a_file_on_its_way_in() -> None:
+    args, volume, mount = _snapshot_parts({})
+    assert args[args.index("--polykv-snapshot-dir") + 1] == manifests.SNAPSHOT_DIR
+    assert args[args.index("--polykv-snapshot-mib") + 1] == "4096"
+    assert volume == {"name": "snapshots", "emptyDir": {"sizeLimit": "8192Mi"}}
+    assert mount == {"name": "snapshots", "mountPath": manifests.SNAPSHOT_DIR}  # writable
+
+
+def test_snapshots_on_a_claim_or_off() -> None:
+    claim = {"persistentVolumeClaim": {"claimName": "polykv-snapshots"}}
+    args, volume, _ = _snapshot_parts({"snapshots": {"volume": claim, "sizeMib": 100}})
+    assert volume == {"name": "snapshots", **claim}
+    assert args[args.index("--polykv-snapshot-mib") + 1] == "100"
+    args, volume, mount = _snapshot_parts({"snapshots": {"enabled": False}})
+    assert "--polykv-snapshot-dir" not in args and volume is None and mount is None
 
 
 def test_api_key_from_a_secret() -> None:

@@ -9,6 +9,8 @@ from .engine import (
     PolyKVEngineStatus,
     ReplicaStatus,
     RouterSpec,
+    SnapshotSpec,
+    SnapshotTotals,
 )
 from .meta import API_VERSION, CATEGORY, GROUP, VERSION, Condition, KubeModel, LabelSelector
 from .pool import PolyKVPoolSpec, PolyKVPoolStatus, PoolCapacity, PoolMessage, PoolReplica
@@ -41,4 +43,6 @@ __all__ = [
     "PoolReplica",
     "ReplicaStatus",
     "RouterSpec",
+    "SnapshotSpec",
+    "SnapshotTotals",
 ]

@@ -49,6 +49,29 @@ class ModelSource(KubeModel):
     """Optional init container that writes the model to the volume first."""
 
 
+MAX_SNAPSHOT_MIB = 1 << 24  # the engine's own bound on --polykv-snapshot-mib (16 TiB)
+
+
+class SnapshotSpec(KubeModel):
+    """Where each replica keeps its pools' KV snapshots, so that a restarted, rolled or new
+    replica restores its pools instead of prefilling them."""
+
+    enabled: bool = True
+    """Keep snapshots; false: every replica prefills every pool after a restart."""
+    size_mib: int = Field(4096, ge=1, le=MAX_SNAPSHOT_MIB)
+    """The most each replica keeps (--polykv-snapshot-mib), least recently used first out;
+    an emptyDir gets twice this as its sizeLimit (a file on its way in is counted once it
+    is whole)."""
+    volume: dict[str, Any] | None = None
+    """A Kubernetes volume source for the snapshots, e.g. {persistentVolumeClaim: {claimName:
+    polykv-snapshots}}: a claim outlives the pod (a pod deleted or rolled restores from it),
+    and a ReadWriteMany claim is shared by every replica. Absent: an emptyDir, which a
+    container restart keeps; a new pod starts empty and fetches from a Ready peer."""
+    from_peers: bool = True
+    """A replica whose own store lacks a pool's snapshot fetches it from a replica that
+    holds the pool (the operator names one in each create); false: it prefills instead."""
+
+
 class RouterSpec(KubeModel):
     """polykv-router in front of the replicas: keeps each agent session (x-session-id) on the
     replica that holds its KV, and places new sessions by each replica's admission capacity.
@@ -107,6 +130,19 @@ class PolyKVEngineSpec(KubeModel):
     """Extra labels for the engine pods."""
     router: RouterSpec | None = None
     """A session-affine, capacity-aware router in front of the replicas (off when absent)."""
+    snapshots: SnapshotSpec = Field(default_factory=SnapshotSpec)
+    """Pools' KV snapshots (on by default, in an emptyDir)."""
+
+
+class SnapshotTotals(KubeModel):
+    """The fleet's pools by how their cells came to be, and its snapshot stores."""
+
+    restored: int = 0
+    """Declared pools, counted per replica, restored from a snapshot (own store or a peer)."""
+    rebuilt: int = 0
+    """Declared pools, counted per replica, computed by prefill."""
+    bytes: int = 0
+    """Bytes in the replicas' snapshot stores, summed."""
 
 
 class ReplicaStatus(KubeModel):
@@ -142,6 +178,12 @@ class ReplicaStatus(KubeModel):
     orphaned_pins: list[str] | None = None
     """Undeclared pools pinned with no sessions and no children: KV nobody will release
     (a name, or #pool_id for an unnamed one)."""
+    pools_restored: int | None = None
+    """Declared pools whose cells this replica restored from a snapshot (its own, a peer's)."""
+    pools_rebuilt: int | None = None
+    """Declared pools whose cells this replica computed (prefill)."""
+    snapshot_bytes: int | None = None
+    """Bytes in this replica's snapshot store."""
     message: str | None = None
     """Why the replica is not in service, when it is not."""
 
@@ -165,3 +207,5 @@ class PolyKVEngineStatus(KubeModel):
     """Mean experienced decode tokens/s over the fleet's decoding sessions."""
     replica_status: list[ReplicaStatus] | None = None
     """Per replica: boot id, sequence ids and KV cells."""
+    snapshots: SnapshotTotals | None = None
+    """Pools restored from snapshots and rebuilt by prefill, over the replicas."""

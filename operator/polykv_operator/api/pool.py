@@ -134,6 +134,9 @@ class PoolReplica(KubeModel):
     """The engine process the id belongs to."""
     residency: str | None = None
     """materializing, resident or evicted."""
+    materialized_from: str | None = None
+    """How its cells came to be on that replica: prefill, store (the replica's snapshot),
+    peer (another replica's snapshot) or session."""
 
 
 class PoolCapacity(KubeModel):
