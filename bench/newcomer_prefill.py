@@ -44,7 +44,7 @@ from . import harness as H
 from . import report as R
 from .engine_client import Api
 from .vs_llama_server import _ls_env, llama_server_binary, model_path
-from .workload import word_text
+from .workload import filler_tokens, word_text
 
 NAME = "newcomer_prefill"
 SERVERS = ("polykv_floor", "polykv_free", "llama_server")
@@ -87,11 +87,7 @@ def decoder_prompt(i: int) -> str:
 
 def newcomer_prompt(api: Api, n_tokens: int, rep: int) -> list[int]:
     """A fresh prompt of exactly ``n_tokens`` (a new one per repetition: nothing cached)."""
-    text = f"Tool result {rep}: " + word_text(f"newcomer/{n_tokens}/{rep}", n_tokens)
-    tokens = api.tokenize(text, add_special=True)
-    if len(tokens) < n_tokens:
-        raise H.BenchError(f"the newcomer's text gave only {len(tokens)} tokens")
-    return tokens[:n_tokens]
+    return filler_tokens(api, f"Tool result {rep}: ", f"newcomer/{n_tokens}/{rep}", n_tokens)
 
 
 def stream_tokens(

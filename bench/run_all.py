@@ -25,6 +25,7 @@ BENCHMARKS = (
     "vs_llama_server",
     "newcomer_prefill",
     "speculative",
+    "pool_restore",
 )
 
 

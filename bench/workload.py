@@ -26,6 +26,14 @@ def word_text(seed: str, n_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
+def filler_tokens(api: Api, head: str, seed: str, n_tokens: int) -> list[int]:
+    """Exactly ``n_tokens`` of ``head`` and deterministic filler, as the engine tokenizes."""
+    tokens = api.tokenize(head + word_text(seed, n_tokens), add_special=True)
+    if len(tokens) < n_tokens:
+        raise BenchError(f"the filler {seed!r} gave only {len(tokens)} of {n_tokens} tokens")
+    return tokens[:n_tokens]
+
+
 def note_prompt(rep: int, k: int, i: int, n_words: int) -> str:
     """A deterministic prompt, distinct per (repeat, level, session)."""
     rng = random.Random(f"{rep}/{k}/{i}")
