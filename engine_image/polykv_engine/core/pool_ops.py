@@ -68,8 +68,8 @@ def keep_prefix(e: Engine, ask: kept.KeepAsk, budget: int) -> kept.Kept | None:
     mine = [p for p in tree.pools.values() if p.owner == ask.tenant]
     seed, shared = kept.closest(mine, ask.tokens)
     if seed is not None and shared == len(ask.tokens):
-        seed.kept_until = max(seed.kept_until, ask.until)
         seed.last_access_ts = time.time()
+        kept.extend(seed, ask.ttl_s, seed.last_access_ts)
         tree.mark(seed)
         return kept.Kept(seed.pool_id, 0)
     if shared < kept.KEEP_MIN_TOKENS:
@@ -85,7 +85,7 @@ def keep_prefix(e: Engine, ask: kept.KeepAsk, budget: int) -> kept.Kept | None:
         if not others:
             return None
         e.pools.release(min(others, key=lambda p: p.last_access_ts))
-    pool = e.pools.keep(ask.tokens, ask.tenant, ask.until, seed, shared)
+    pool = e.pools.keep(ask.tokens, ask.tenant, ask.ttl_s, seed, shared)
     return kept.Kept(pool.pool_id, len(ask.tokens) - shared)
 
 

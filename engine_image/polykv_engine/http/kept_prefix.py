@@ -10,7 +10,6 @@ there, and the text before that point, tokenized, shares that many tokens with t
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,8 +62,8 @@ async def keep(request: web.Request, task: GenerateTask, n: int, ttl: str | None
     settings = ctx.settings
     if n < kept.KEEP_MIN_TOKENS or settings.kept_prefixes <= 0:
         return KeptPart()
-    until = time.time() + kept.ttl_s(ttl, settings.kept_ttl_max_s)
-    ask = kept.KeepAsk(identity_of(request).tenant, task.prompt[:n], until)
+    ttl_s = kept.ttl_s(ttl, settings.kept_ttl_max_s)
+    ask = kept.KeepAsk(identity_of(request).tenant, task.prompt[:n], ttl_s)
     budget = settings.kept_prefixes
     held = await asyncio.wrap_future(
         ctx.engine.call(lambda e: pool_ops.keep_prefix(e, ask, budget))

@@ -7,7 +7,9 @@ that shares most with it, so a prefix common to many breakpoints is held once. L
 requests of the tenant (other sessions, or a session started after the first ended) attach
 the kept prefix that shares most with their prompt and read those tokens from KV. It goes:
 
-* at its TTL (``ttl`` ``5m``, the default, or ``1h``; capped by ``--polykv-kept-ttl-max-s``);
+* at its TTL (``ttl`` ``5m``, the default, or ``1h``; capped by ``--polykv-kept-ttl-max-s``),
+  counted from the later of its last request and the moment it is built (a build slower
+  than the TTL, a long prompt on a loaded CPU, must not expire before its request reads it);
 * when its tenant keeps more than ``--polykv-kept-prefixes`` of them (least recently used
   first);
 * when a declared pool needs its sequence id (declared pools come first);
@@ -30,11 +32,11 @@ KEEP_MIN_TOKENS = 64  # a shorter prefix is computed again faster than a sequenc
 
 @dataclass(frozen=True, slots=True)
 class KeepAsk:
-    """Keep ``tokens`` for ``tenant`` until ``until`` (epoch seconds)."""
+    """Keep ``tokens`` for ``tenant`` ``ttl_s`` seconds past now and past being built."""
 
     tenant: str
     tokens: list[int]
-    until: float
+    ttl_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,18 @@ class Kept:
 
 def ttl_s(ttl: str | None, cap_s: float) -> float:
     return min(TTL_S[ttl or "5m"], cap_s)
+
+
+def extend(pool: Pool, ttl_s: float, now: float) -> None:
+    """A request asked for ``pool`` to be kept ``ttl_s`` from ``now``."""
+    pool.kept_ttl_s = max(pool.kept_ttl_s, ttl_s)
+    pool.kept_until = max(pool.kept_until, now + ttl_s)
+
+
+def built(pool: Pool, now: float) -> None:
+    """``pool`` is in KV now: its TTL starts again, for the requests that waited on it."""
+    if pool.kept:
+        extend(pool, pool.kept_ttl_s, now)
 
 
 def closest(kept: Sequence[Pool], tokens: Sequence[int]) -> tuple[Pool | None, int]:

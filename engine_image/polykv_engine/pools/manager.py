@@ -20,7 +20,7 @@ from polykv_engine.kv.cache import KVCache
 from polykv_engine.llama.runtime import Batch
 from polykv_engine.persist.fileformat import KVSnapshot, SnapshotRefused
 from polykv_engine.persist.store import SnapshotStore
-from polykv_engine.pools import persisted
+from polykv_engine.pools import kept, persisted
 from polykv_engine.pools.tree import Pool, PoolError, PoolTree, Source
 
 log = logging.getLogger("polykv.pools")
@@ -238,13 +238,14 @@ class PoolManager:
         return tokens, slot_id
 
     def keep(
-        self, tokens: list[int], owner: str, until: float, seed: Pool | None, seed_len: int
+        self, tokens: list[int], owner: str, ttl_s: float, seed: Pool | None, seed_len: int
     ) -> Pool:
         """A kept prefix (``pools.kept``): a root pool of ``owner``'s, built from ``seed``'s
         cells ``[0, seed_len)`` when it has them by then. PoolError when no sequence id is
         free."""
         pool = self.tree.add(self.tree.plan_root(tokens, None))
-        pool.owner, pool.kept_until = owner, until
+        pool.owner = owner
+        kept.extend(pool, ttl_s, time.time())
         self.builds.append(Build(pool, seed=seed, seed_len=seed_len if seed is not None else 0))
         return pool
 
@@ -253,9 +254,9 @@ class PoolManager:
         recently used resident kept prefix goes (its sessions keep their cells)."""
         if self.tree.seq_free():
             return
-        kept = [p for p in self.tree.pools.values() if p.kept and p.residency == "resident"]
-        if kept:
-            self.release(min(kept, key=lambda p: p.last_access_ts))
+        idle = [p for p in self.tree.pools.values() if p.kept and p.residency == "resident"]
+        if idle:
+            self.release(min(idle, key=lambda p: p.last_access_ts))
 
     def _waiter(self, build: Build) -> concurrent.futures.Future[None]:
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -340,6 +341,7 @@ class PoolManager:
             if build.started and pool.n_materialized == pool.prefix_len:
                 self.tree.set_residency(pool, "resident")
                 pool.source = "prefill"
+                kept.built(pool, time.time())
                 self.builds.remove(build)
                 log.info("pool %s: resident (%d tokens)", pool.label, pool.prefix_len)
                 # A kept prefix is one tenant's prompt, never restored: it stays off disk.

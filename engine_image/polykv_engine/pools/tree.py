@@ -84,10 +84,11 @@ class Pool:
     n_materialized: int = 0  # positions of the pool's sequence that are in KV
     source: Source = "prefill"  # how its own cells were last materialized
     admission: AdmissionPolicy | None = None
-    # A kept prefix (pools.kept): the tenant whose cache_control breakpoint it holds, and
-    # until when. None: a declared pool, shared by design.
+    # A kept prefix (pools.kept): the tenant whose cache_control breakpoint it holds, until
+    # when, and for how long past its last request. None: a declared pool, shared by design.
     owner: str | None = None
     kept_until: float = 0.0
+    kept_ttl_s: float = 0.0
 
     @property
     def kept(self) -> bool:

@@ -1,9 +1,9 @@
 """The kept-prefix policy (``pools.kept``, pure): which kept prefix a request reads, which
-go past the tenant's budget, which have expired."""
+go past the tenant's budget, which have expired, and when their TTL starts."""
 
 from __future__ import annotations
 
-from polykv_engine.pools.kept import closest, expired, over_budget
+from polykv_engine.pools.kept import built, closest, expired, extend, over_budget
 from polykv_engine.pools.tree import Pool, chained_hashes
 
 
@@ -39,3 +39,18 @@ def test_only_kept_prefixes_past_their_time_expire() -> None:
     declared = Pool(3, "crew", None, 0, [3], chained_hashes([3]), residency="resident")
     assert expired([due, later, declared], 15.0) == [due]
     assert expired([due, later, declared], 20.0) == [due, later]
+
+
+def test_the_ttl_starts_again_when_the_prefix_is_built() -> None:
+    """A build slower than the TTL (a long prompt on a loaded CPU) does not expire before
+    the request that waited on it reads it: the TTL counts from the build's end too."""
+    pool = kept(1, [1], 0, residency="materializing", kept_until=0.0)
+    extend(pool, 300.0, now=1000.0)  # asked at 1000 for 5 minutes
+    assert pool.kept_until == 1300.0
+    built(pool, now=1900.0)  # the build took 15 minutes
+    assert pool.kept_until == 2200.0 and expired([pool], 2100.0) == []
+    extend(pool, 60.0, now=2000.0)  # a shorter ask never shortens it
+    assert (pool.kept_until, pool.kept_ttl_s) == (2200.0, 300.0)
+    declared = Pool(2, "crew", None, 0, [2], chained_hashes([2]), residency="resident")
+    built(declared, now=5000.0)
+    assert declared.kept_until == 0.0
