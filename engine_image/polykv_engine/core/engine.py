@@ -640,9 +640,14 @@ class Engine:
 
     @property
     def _auto_share(self) -> bool:
-        """Sharing cells between sequences is only sound where pools are (one unified KV
-        cache: a split cache gives every slot its own cells, so nothing can be shared)."""
-        return self.cfg.auto_share and self.rt.cfg.kv_unified and self.memory.plain
+        """Sharing cells between sequences needs one unified KV cache (a split cache gives
+        every slot its own cells), and memory that can be cut at any position: not a
+        recurrent state. On a sliding window it takes cells where they are still whole
+        (``core.prefix``), and only in a full-size window cache: cells two sequences hold
+        are never handed out, which a window-sized cache could run out of."""
+        cfg, mem = self.rt.cfg, self.memory
+        windowed = mem.kind == "sliding_window" and not cfg.swa_full
+        return self.cfg.auto_share and cfg.kv_unified and not mem.exact_length and not windowed
 
     def _attached(self, task: GenerateTask) -> AttachedPool | None:
         """The task's pool as prefix reuse sees it: only a resident pool has cells."""

@@ -13,8 +13,11 @@ Every rule of reuse is stated once, here:
 - the slot keeps its own cache up to its common prefix with the prompt; a request that asks
   for no cache reuse keeps only the pool's part;
 - on a sliding-window model, cached tokens count only while the window before them is still
-  in the cache (llama.cpp recycles a sequence's own cells once they left its window; cells a
-  guarded pool holds too are never recycled);
+  in the cache (llama.cpp recycles a cell one sequence alone holds once it left that
+  sequence's window; what is left of a sequence there is one run of positions, from its
+  ``pos_min`` on, so this is read exactly): a slot's own, or another sequence's for
+  automatic sharing (cells two sequences hold are never recycled: a guarded pool's, and
+  those a session shares);
 - on a recurrent or hybrid model (``exact_length``), a sequence's state exists only after its
   last token: a pool is attached at exactly its length or the request is refused
   (``recurrent_attach``), and a slot's cache is reused whole or not at all (a cache holding
@@ -31,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from polykv_engine.kv.memory import recycled_below
+from polykv_engine.kv.memory import window_joins, window_kept
 from polykv_engine.pools.tree import PoolError
 from polykv_engine.tokens import common_prefix_len
 
@@ -42,10 +45,12 @@ SHARE_WAIT_MIN_TOKENS = 64
 
 @dataclass(frozen=True, slots=True)
 class Resident:
-    """A sequence whose cells hold ``tokens`` from position 0."""
+    """A sequence whose cells hold ``tokens`` from position 0 (on a sliding-window model,
+    its window layers' cells from ``cells_from`` on: llama.cpp recycled those below)."""
 
     seq_id: int
     tokens: Sequence[int]
+    cells_from: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,42 +156,51 @@ def plan(
     residents: Sequence[Resident] = (),
     exact_length: bool = False,
     n_swa: int = 0,
-    horizon: int = 0,
-    protected: int = 0,
+    cache_from: int = 0,
 ) -> PrefixPlan:
     """How a slot whose cells hold ``cache`` serves ``prompt``. ``reuse_cache``: the request
     allows reuse of cached tokens (``cache_prompt``); ``residents``: the other sequences
     automatic sharing may take from (empty: no automatic sharing); ``exact_length``: the
     model's memory is exact only at a sequence's end (recurrent, hybrid). Sliding-window
-    models (``n_swa`` > 0): the slot's own cells below ``horizon`` may have been recycled,
-    its first ``protected`` cells (a guarded pool's) never are. Raises ``PoolError`` for a
-    declared P the pool does not match, or an attach below the pool's length where
-    ``exact_length``."""
+    models (``n_swa`` > 0): the slot's window layers hold its positions from ``cache_from``
+    on. Raises ``PoolError`` for a declared P the pool does not match, or an attach below
+    the pool's length where ``exact_length``."""
+
+    def own_usable(n: int) -> bool:
+        """The slot's cache can be kept up to ``n`` prompt tokens: a recurrent state only
+        whole, a sliding window only while the window before ``n`` is still there."""
+        if exact_length and n < len(cache):
+            return False
+        return window_kept(cache_from, n, n_swa)
+
     pool_seq, pool_p, fresh = -1, 0, False
     if pool is not None:
         pool_seq, pool_p = pool.seq_id, pool_prefix(prompt, pool, exact_length)
         own = common_prefix_len(cache, prompt) if reuse_cache else 0
-        if exact_length and reusable(prompt, own) < len(cache):
-            own = 0  # a cache cut short is no cache at all
+        if not own_usable(reusable(prompt, own)):
+            own = 0  # a cache cut short, or missing its window, is no cache at all
         fresh = pool_p > own
         if fresh:
-            cache = prompt[:pool_p]
-            protected = pool_p
-        elif exact_length:
-            pool_seq, pool_p = -1, 0  # its own cache goes on from past the pool: kept whole
+            cache, cache_from = prompt[:pool_p], 0  # the pool's cells: guarded, whole
+        elif exact_length or cache_from > pool_p:
+            # Its own cache goes on from past the pool: kept whole. (A window that lost
+            # positions past the pool's would keep a gap after the pool's cells.)
+            pool_seq, pool_p = -1, 0
     keep = common_prefix_len(cache, prompt)
     if not reuse_cache:
         keep = min(keep, pool_p)
     keep = reusable(prompt, keep)
     dropped_at = 0
-    if 0 < keep < len(cache) and (exact_length or recycled_below(horizon, n_swa, keep, protected)):
+    if keep > 0 and not own_usable(keep):
         dropped_at, keep = keep, 0
     share_seq, reuse = -1, keep
-    if reuse_cache and residents:
-        src, p = resident_prefix(prompt, residents)
-        p = reusable(prompt, p)
-        if p > keep:
-            share_seq, reuse = src, p
+    if reuse_cache:
+        for r in residents:  # the longest usable prefix; the first of equals
+            if len(r.tokens) <= reuse:
+                continue
+            p = reusable(prompt, common_prefix_len(r.tokens, prompt))
+            if p > reuse and window_joins(r.cells_from, keep, p, n_swa):
+                share_seq, reuse = r.seq_id, p
     return PrefixPlan(pool_seq, pool_p, fresh, dropped_at, keep, share_seq, reuse)
 
 

@@ -23,7 +23,7 @@ from polykv_engine.core.snapshot import SlotSnapshot, SlotState
 from polykv_engine.core.tasks import GenerateTask, GenerationResult, StopType
 from polykv_engine.core.textstream import TextAssembler
 from polykv_engine.kv.cache import KVCache
-from polykv_engine.kv.memory import Memory, recycle_horizon
+from polykv_engine.kv.memory import Memory
 from polykv_engine.llama.runtime import Sampler
 from polykv_engine.llama.sampling import SamplingParams
 from polykv_engine.policy.speculation import Speculation
@@ -93,9 +93,6 @@ class Slot:
     seed: int = 0
     logits_idx: int = -1  # index in the current batch whose logits this slot samples
     batch_tokens: int = 0  # tokens this slot put in the current batch
-    # Sliding-window models: llama.cpp may have recycled the slot's own cells below this
-    # position (kv.memory.recycle_horizon of its longest length since it was last emptied).
-    swa_horizon: int = 0
     spec: Speculation | None = None  # the turn's speculative decoding, when on
     draft: list[int] = field(default_factory=list)  # guessed next tokens, in this batch
     draft_idx: int = -1  # batch index of the first drafted token (the rest follow it)
@@ -335,7 +332,8 @@ class SlotTable:
             return None
         slot = max(holders, key=lambda s: s.last_used)
         self.unpark(slot)
-        return (slot.slot_id if self.intact(slot) else None), list(slot.cache_tokens)
+        whole = self.cells_from(slot.slot_id) == 0
+        return (slot.slot_id if whole else None), list(slot.cache_tokens)
 
     def forget_kv(self, slot: Slot) -> None:
         """Drop every cell of the slot's sequence; it holds nothing afterwards."""
@@ -344,7 +342,6 @@ class SlotTable:
         slot.parked = None
         slot.pool_id = None
         slot.shared_prefix = 0
-        slot.swa_horizon = 0
 
     def truncate(self, slot: Slot, n: int) -> None:
         """Keep the first ``n`` tokens of the slot's cache."""
@@ -355,9 +352,6 @@ class SlotTable:
         """``tokens`` were just decoded at the end of the slot's sequence."""
         self.kv.decoded(slot.slot_id, len(tokens))
         slot.cache_tokens.extend(tokens)
-        if self.memory.n_swa > 0:
-            horizon = recycle_horizon(len(slot.cache_tokens), self.memory.n_swa)
-            slot.swa_horizon = max(slot.swa_horizon, horizon)
 
     def shift(self, slot: Slot, n_keep: int, n_discard: int) -> None:
         """Context shift: drop [n_keep, n_keep + n_discard) and move the rest down."""
@@ -380,9 +374,9 @@ class SlotTable:
         not searched: that would confirm the pool's prompt token by token to a client that
         never attaches it)."""
         found = [
-            Resident(s.slot_id, s.cache_tokens)
+            Resident(s.slot_id, s.cache_tokens, self.cells_from(s.slot_id))
             for s in self.slots
-            if s is not besides and s.tenant == tenant
+            if s is not besides and s.tenant == tenant and s.cache_tokens
         ]
         if pool is not None:
             found.append(Resident(pool.seq_id, pool.tokens))
@@ -418,21 +412,20 @@ class SlotTable:
             pool=pool,
             residents=residents,
             exact_length=self.memory.exact_length,
-            n_swa=self.memory.n_swa,
-            horizon=slot.swa_horizon,
-            protected=self.protected(slot),
+            n_swa=self.window,
+            cache_from=self.cells_from(slot.slot_id),
         )
 
-    def protected(self, slot: Slot) -> int:
-        """How many of the slot's first cells another sequence holds too (a pool's, or a
-        released pool's that another session still holds): llama.cpp never recycles those.
-        On a sliding-window model nothing else is shared, so they come first."""
-        return self.kv.model.private_from(slot.slot_id) if self.memory.n_swa > 0 else 0
+    @property
+    def window(self) -> int:
+        """The sliding window whose recycled cells prefix reuse must mind (0: none; a
+        hybrid's cache is reused whole or not at all, so its window never matters)."""
+        return self.memory.n_swa if self.memory.kind == "sliding_window" else 0
 
-    def intact(self, slot: Slot) -> bool:
-        """Every cell of the slot's cache is still in llama.cpp (a sliding window recycles
-        its own cells that left it)."""
-        return slot.swa_horizon <= self.protected(slot)
+    def cells_from(self, seq: int) -> int:
+        """The first position ``seq`` still holds in the window layers (0 where there is no
+        window, or nothing was recycled): llama.cpp keeps the rest one unbroken run."""
+        return max(self.kv.rt.seq_pos_min(seq), 0) if self.window else 0
 
     def apply_prefix(self, slot: Slot, plan: PrefixPlan, prompt: Sequence[int]) -> None:
         """Make the slot's cells and tokens what ``plan`` says: the pool's cells first, then

@@ -6,6 +6,8 @@
   cell that one sequence alone holds to the next token once it is out of that sequence's
   window. A pool's cells are decoded into a guard sequence too, so two sequences always hold
   them and none is handed out; the window layers then need a full-size cache (``swa_full``).
+  A session's cells are shared (automatic sharing) where they are still whole: once two
+  sequences hold them, they are not handed out either.
 - recurrent: one fixed-size state per sequence, exact only after its last token. A pool is
   attached at exactly its length (the state is copied into the session's sequence), a fork
   must extend its parent, and nothing is cut back below the end.
@@ -83,20 +85,23 @@ def swa_full_cost(
     return max(0, n_ctx - window) * swa_bytes_per_token
 
 
-def recycle_horizon(length: int, n_swa: int) -> int:
-    """Once a sequence is ``length`` tokens long, llama.cpp may hand out its cells below this
-    position (those its next token no longer sees)."""
-    return max(0, length - n_swa + 1) if n_swa > 0 else 0
+def window_kept(cells_from: int, pos: int, n_swa: int) -> bool:
+    """On a sliding-window model: whether a sequence whose window layers hold its positions
+    from ``cells_from`` on still holds the window the token at ``pos`` sees,
+    ``[pos - n_swa + 1, pos)``. llama.cpp keeps each sequence's positions in the window
+    cache one unbroken run, ``[pos_min, pos_max]``: a cell it hands out takes every position
+    below it along, so ``cells_from`` (``pos_min``) says exactly what is left."""
+    return n_swa <= 0 or cells_from <= max(0, pos - n_swa + 1)
 
 
-def recycled_below(horizon: int, n_swa: int, keep: int, protected: int) -> bool:
-    """On a sliding-window model: whether the window that the token at position ``keep``
-    sees, ``[keep - n_swa + 1, keep)``, may have lost cells. ``horizon``: the sequence's own
-    cells below it may have been handed out (``recycle_horizon`` of its longest length so
-    far); ``protected``: its first cells, which a guarded pool holds too, never are."""
-    if n_swa <= 0 or keep <= protected:
-        return False
-    return max(keep - n_swa + 1, protected) < min(horizon, keep)
+def window_joins(cells_from: int, keep: int, reuse: int, n_swa: int) -> bool:
+    """Whether positions [keep, reuse) can be shared from a sequence whose window layers
+    hold its positions from ``cells_from`` on, by one that holds [0, keep) with its window
+    (nothing when ``keep`` is 0): the receiver's run must stay unbroken and hold the window
+    before ``reuse``."""
+    if keep > 0:
+        return cells_from <= keep
+    return window_kept(cells_from, reuse, n_swa)
 
 
 def save_spans(p0: int, p1: int, n_swa: int) -> list[tuple[int, int]]:

@@ -172,6 +172,72 @@ def test_swa_snapshot_of_a_session_whose_window_was_recycled_is_computed_again(
     check_accounting(sc)
 
 
+def erase_slots(c: httpx.Client) -> None:
+    for slot in c.get("/slots").json():
+        assert c.post(f"/slots/{slot['id']}?action=erase").status_code == 200
+
+
+def test_swa_sessions_share_a_long_prompt_automatically(sc: httpx.Client) -> None:
+    # No pool: a second session with the first one's prompt (an agent CLI's system prompt
+    # and tools, many windows long) takes its cells, and computes what it would alone.
+    system = words(sc, 6 * WINDOW, seed=50)
+    asks = [system + words(sc, 9, seed=51 + i) for i in range(2)]
+    expected = [unpooled(sc, a) for a in asks]
+    erase_slots(sc)
+    first = greedy(sc, asks[0], session_id="a")
+    second = greedy(sc, asks[1], session_id="b")
+    assert [first["tokens"], second["tokens"]] == expected
+    assert first["timings"]["cache_n"] == 0
+    assert second["timings"]["cache_n"] >= len(system)
+    lst = check_accounting(sc)
+    assert lst["implicit_shared_cells"] >= len(system)
+
+
+def test_swa_sessions_share_nothing_in_a_window_sized_cache(
+    start_on: Callable[..., EngineProcess], swa_model: Path
+) -> None:
+    # No pools and no --swa-full: the window layers get a window-sized cache, which cells
+    # two sequences hold (never handed out) could fill. Each session computes its prompt.
+    eng = start_on(swa_model, "-np", "2", "-c", "1024", "--polykv-max-pools", "0", *DETERMINISTIC)
+    with client_of(eng) as c:
+        assert not c.get("/props").json()["polykv"]["memory"]["swa_full"]
+        system = words(c, 6 * WINDOW, seed=50)
+        for i, session in enumerate(("a", "b")):
+            got = greedy(c, system + words(c, 9, seed=51 + i), session_id=session)
+            assert got["timings"]["cache_n"] == 0
+
+
+def test_swa_automatic_sharing_takes_only_what_the_window_still_holds(sc: httpx.Client) -> None:
+    # A session runs far past its window above another one's cells; that one goes, and the
+    # next sessions' tokens sweep from there over the first one's cells: its earliest ones
+    # are handed out. A prompt that leaves its context early needs the window before that
+    # point, which is gone: computed again, equal to a fresh run. One that goes on past its
+    # end needs only its last window: shared.
+    erase_slots(sc)
+    below = greedy(sc, words(sc, 4 * WINDOW, seed=59), WINDOW, ignore_eos=True)
+    prompt = words(sc, 2 * WINDOW, seed=60)
+    long = greedy(sc, prompt, 8 * WINDOW, ignore_eos=True, session_id="long")
+    context = prompt + long["tokens"][:-1]
+    assert sc.post(f"/slots/{below['id_slot']}?action=erase").status_code == 200
+    for k in range(2):  # on the free slots: no session id
+        greedy(sc, words(sc, 3 * WINDOW, seed=70 + k), 6 * WINDOW, ignore_eos=True)
+    early = context[: 3 * WINDOW] + words(sc, 9, seed=61)
+    late = context + words(sc, 9, seed=62)
+    want = {}
+    for name, ask in (("early", early), ("late", late)):
+        fresh = greedy(sc, ask, cache_prompt=False)
+        want[name] = fresh["tokens"]
+        # Its cache would be shared in full: only what is left of "long" may be.
+        assert sc.post(f"/slots/{fresh['id_slot']}?action=erase").status_code == 200
+    got = greedy(sc, early, session_id="early")
+    assert got["tokens"] == want["early"]
+    assert got["timings"]["cache_n"] == 0
+    got = greedy(sc, late, session_id="late")
+    assert got["tokens"] == want["late"]
+    assert got["timings"]["cache_n"] == len(context)
+    check_accounting(sc)
+
+
 def test_swa_pool_with_flash_attention_matches_within_its_tolerance(
     start_on: Callable[..., EngineProcess], swa_model: Path
 ) -> None:

@@ -138,6 +138,33 @@ def test_a_guard_sequence_keeps_a_pool_whole_past_the_window(
     assert int(shared.argmax()) == int(fresh.argmax())
 
 
+def test_what_is_left_of_a_recycled_sequence_is_one_run_from_pos_min(
+    swa: tuple[LlamaRuntime, Batch], swa_model: Path
+) -> None:
+    # A session's own cells, out of its window, are handed out as others come and go; each
+    # one takes every position below it along (llama.cpp keeps [pos_min, pos_max] whole), so
+    # pos_min says exactly what is left. What is left still serves a second session whose
+    # window needs no more (automatic sharing), and once two sequences hold those cells they
+    # are not handed out again.
+    rt, batch = swa
+    prefix = words(rt, 160, seed=3)
+    cells_below(rt, batch, lambda: prefill(rt, batch, prefix, 0, OTHER, None))
+    for k in range(6):
+        churn(rt, batch, GUARD, 150 + 20 * k, seed=20 + k)
+    left = rt.seq_pos_min(OTHER)
+    assert 0 < left <= len(prefix) - 32 + 1, left  # recycled, the last window still there
+    rt.seq_cp(OTHER, SESSION, 0, len(prefix))
+    assert rt.seq_pos_min(SESSION) == left
+    for k in range(4):
+        churn(rt, batch, GUARD, 150 + 20 * k, seed=30 + k)
+    assert rt.seq_pos_min(SESSION) == rt.seq_pos_min(OTHER) == left
+    suffix = words(rt, 5, seed=4)
+    shared = continuation_logits(rt, batch, suffix, len(prefix), SESSION)
+    fresh = fresh_logits(swa_model, prefix + suffix)
+    assert np.abs(shared - fresh).max() < 1e-3
+    assert int(shared.argmax()) == int(fresh.argmax())
+
+
 @pytest.mark.parametrize("kind", ["mamba", "jamba"])
 def test_recurrent_state_is_shared_exactly_at_the_prefix_length(
     kind: str, mamba_model: Path, jamba_model: Path

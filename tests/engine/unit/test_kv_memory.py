@@ -6,10 +6,10 @@ import pytest
 
 from polykv_engine.kv.memory import (
     Memory,
-    recycle_horizon,
-    recycled_below,
     save_spans,
     window_cache_cells,
+    window_joins,
+    window_kept,
 )
 
 
@@ -43,22 +43,30 @@ def test_window_cache_cells_is_llama_cpps_size() -> None:
 
 
 @pytest.mark.parametrize(
-    ("horizon", "keep", "protected", "lost"),
+    ("cells_from", "pos", "kept"),
     [
-        (0, 500, 0, False),  # nothing ever left the window
-        (689, 1200, 0, False),  # a continuation: the window before the end is the newest
-        (689, 600, 0, True),  # a cut inside the part that left the window
-        (689, 600, 300, True),  # protected prefix shorter than the lost part
-        (689, 600, 700, False),  # keep inside the guarded pool's cells
-        (389, 900, 200, False),  # the window [389, 900) is above everything that may be lost
-        (390, 900, 200, True),  # ... one position more and it is not
+        (0, 500, True),  # nothing ever recycled
+        (0, 5, True),
+        (689, 1200, True),  # a continuation: the window before 1200 is [689, 1200)
+        (690, 1200, False),  # ... one position more and it is not
+        (1, 300, False),  # inside the first window every position is needed
+        (689, 600, False),  # a cut below what is left
     ],
 )
-def test_recycled_below(horizon: int, keep: int, protected: int, lost: bool) -> None:
-    assert recycle_horizon(1200, 512) == 689  # the token at 1200 sees [689, 1200)
-    assert recycle_horizon(100, 512) == 0 and recycle_horizon(5000, 0) == 0
-    assert recycled_below(horizon, 512, keep, protected) is lost
-    assert recycled_below(horizon, 0, keep, protected) is False  # no window, nothing recycled
+def test_window_kept(cells_from: int, pos: int, kept: bool) -> None:
+    assert window_kept(cells_from, pos, 512) is kept
+    assert window_kept(cells_from, pos, 0) is True  # no window: nothing is ever recycled
+
+
+def test_window_joins() -> None:
+    # A receiver holding [0, 600) with its window takes [600, 900) from a sequence that
+    # still holds 600 and on: one unbroken run. From one that lost 600: a gap.
+    assert window_joins(600, 600, 900, 512)
+    assert not window_joins(601, 600, 900, 512)
+    # An empty receiver ([0, 0)) needs only the window before the reuse point.
+    assert window_joins(389, 0, 900, 512)
+    assert not window_joins(390, 0, 900, 512)
+    assert window_joins(0, 0, 900, 512) and window_joins(123, 0, 900, 0)
 
 
 @pytest.mark.parametrize(

@@ -80,20 +80,40 @@ def test_a_declared_prefix_still_leaves_the_last_token_to_compute() -> None:
 def test_a_recycled_sliding_window_drops_the_cache() -> None:
     cache = [*PROMPT[:8], 0, 0]
     # 8 tokens kept, a window of 4: the token at 8 sees positions 5..7, which must be there.
-    intact = plan(PROMPT, cache, reuse_cache=True, n_swa=4, horizon=5)
-    assert intact == PrefixPlan(keep=8, reuse=8)
-    recycled = plan(PROMPT, cache, reuse_cache=True, n_swa=4, horizon=6)
+    whole = plan(PROMPT, cache, reuse_cache=True, n_swa=4, cache_from=5)
+    assert whole == PrefixPlan(keep=8, reuse=8)
+    recycled = plan(PROMPT, cache, reuse_cache=True, n_swa=4, cache_from=6)
     assert recycled == PrefixPlan(dropped_at=8, keep=0, reuse=0)
-    # ... unless a guarded pool holds them too.
-    assert not plan(PROMPT, cache, reuse_cache=True, n_swa=4, horizon=6, protected=8).dropped_at
-    assert not plan(PROMPT, cache, reuse_cache=True, horizon=100).dropped_at  # no window
-    # A cache that the prompt reuses whole is not cut, so its window is not in question.
-    assert not plan(PROMPT, PROMPT[:8], reuse_cache=True, n_swa=4, horizon=8).dropped_at
+    assert not plan(PROMPT, cache, reuse_cache=True, cache_from=100).dropped_at  # no window
+    # A continuation's window is its newest positions, which llama.cpp never hands out.
+    assert not plan(PROMPT, PROMPT[:8], reuse_cache=True, n_swa=4, cache_from=5).dropped_at
 
 
-def test_a_fresh_attach_on_a_sliding_window_keeps_the_guarded_pool_cells() -> None:
-    got = plan(PROMPT, [1, 2, 3], reuse_cache=True, pool=pool(PROMPT[:6]), n_swa=2, horizon=9)
+def test_a_fresh_attach_on_a_sliding_window_takes_the_guarded_pool_cells() -> None:
+    got = plan(PROMPT, [1, 2, 3], reuse_cache=True, pool=pool(PROMPT[:6]), n_swa=2, cache_from=2)
     assert got == PrefixPlan(pool_seq=9, pool_p=6, pool_fresh=True, keep=6, reuse=6)
+    # A cache holding the pool's tokens whose window was recycled gives way to the pool.
+    got = plan(PROMPT, PROMPT[:8], reuse_cache=True, pool=pool(PROMPT[:6]), n_swa=2, cache_from=8)
+    assert got == PrefixPlan(pool_seq=9, pool_p=6, pool_fresh=True, keep=6, reuse=6)
+    # One that lost positions past the pool's keeps its own cells, unlinked: swapping the
+    # pool's in would leave a gap between them and what is left.
+    got = plan(PROMPT, PROMPT[:9], reuse_cache=True, pool=pool(PROMPT[:4]), n_swa=2, cache_from=6)
+    assert got == PrefixPlan(keep=9, reuse=9)
+
+
+def test_automatic_sharing_on_a_sliding_window_takes_only_whole_runs() -> None:
+    residents = [Resident(1, PROMPT, cells_from=3)]  # positions 0..2 recycled
+    # An empty slot needs the window before the reuse point, [5, 9) with a window of 5.
+    got = plan(PROMPT, [], reuse_cache=True, residents=residents, n_swa=5)
+    assert (got.share_seq, got.keep, got.reuse) == (1, 0, 9)
+    assert plan(PROMPT, [], reuse_cache=True, residents=residents, n_swa=8).share_seq == -1
+    # A slot that keeps [0, 2) itself would have a gap at 2: the resident lost it.
+    assert plan(PROMPT, PROMPT[:2], reuse_cache=True, residents=residents, n_swa=2).reuse == 2
+    assert plan(PROMPT, PROMPT[:3], reuse_cache=True, residents=residents, n_swa=2).reuse == 9
+    # Of two, the one whose cells can be taken, though the other holds more.
+    both = [Resident(1, PROMPT, cells_from=9), Resident(2, PROMPT[:7])]
+    got = plan(PROMPT, [], reuse_cache=True, residents=both, n_swa=4)
+    assert (got.share_seq, got.reuse) == (2, 7)
 
 
 def test_a_recurrent_model_attaches_at_exactly_the_pool_length() -> None:
