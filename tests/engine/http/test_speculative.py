@@ -115,16 +115,43 @@ def test_the_engine_default_applies_and_a_request_may_turn_it_off(
     assert on["timings"]["draft_n"] > 0 and "draft_n" not in off["timings"]
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [("speculative.n_max", 65), ("speculative.n_min", -1), ("speculative.type", "eagle3")],
-)
+# Every route that takes the sampling fields, with the least body it accepts.
+ROUTES = {
+    "/completion": {"prompt": "x", "n_predict": 1},
+    "/v1/completions": {"prompt": "x", "max_tokens": 1},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+    "/v1/messages": {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                     "max_tokens": 1},
+    "/v1/responses": {"input": "x", "max_output_tokens": 1},
+}  # fmt: skip
+OUT_OF_BOUNDS = [
+    ("speculative.n_max", 65),
+    ("speculative.n_max", -1),
+    ("speculative.n_max", 2.5),
+    ("speculative.n_max", 2**31),
+    ("speculative.n_min", -1),
+    ("speculative.n_min", 65),
+    ("speculative.type", "eagle3"),
+    ("speculative.type", 1),
+]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(("field", "value"), OUT_OF_BOUNDS)
 def test_out_of_bound_settings_are_refused_naming_the_field(
-    sc: httpx.Client, field: str, value: object
+    sc: httpx.Client, route: str, field: str, value: object
 ) -> None:
-    r = sc.post("/completion", json={"prompt": "x", "n_predict": 1, field: value})
+    r = sc.post(route, json={**ROUTES[route], field: value})
     assert r.status_code == 400, r.text
-    assert field in r.json()["error"]["message"]
+    assert field in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_settings_within_bounds_are_taken_on_every_route(sc: httpx.Client, route: str) -> None:
+    body = {**ROUTES[route], "speculative.type": "ngram", "speculative.n_max": 64,
+            "speculative.n_min": 0}  # fmt: skip
+    r = sc.post(route, json=body)
+    assert r.status_code == 200, r.text
 
 
 def test_a_draft_model_drafts_and_the_text_is_the_same(
