@@ -1,6 +1,7 @@
 """Pools that survive on Kubernetes: a killed engine comes back with its tree restored from
 its snapshot store (an emptyDir outlives the container), a scale-up replica fetches the
-tree from a Ready peer, and a pod deleted outright restores from a claim that outlives it.
+tree from a Ready peer, a rollout's new pod fetches it from the old one, and a pod deleted
+outright restores from a claim that outlives it.
 
 Real control plane and operator, engine pods as local processes. Each test reads, on the
 engines themselves, how every pool's cells came to be (``materialized_from``) and checks
@@ -114,6 +115,27 @@ def test_a_killed_engine_restores_its_tree_then_a_new_replica_fetches_it_from_a_
     wait_condition(k8s_cluster, namespace, "polykvengines", "eng", "Ready")
     totals = eventually("6 restored over 2", lambda: totals_with(k8s_cluster, namespace, 6))
     assert totals["rebuilt"] == 0 and totals["bytes"] > 0
+
+
+def test_a_rollout_fills_the_new_pod_from_the_old_one(
+    k8s_cluster: ControlPlane, namespace: str, operator: Operator
+) -> None:
+    eng = ready_tree(k8s_cluster, namespace, engine_manifest())
+    (rep,) = replicas(k8s_cluster, namespace)
+    eventually("snapshots written", lambda: written(eng, rep.ip, len(TREE)), 60)
+    # A new pod template: the Deployment surges one pod while the old one stays Ready.
+    rolled_at = time.time()
+    patch = '{"spec":{"podLabels":{"rollout":"2"}}}'
+    k8s_cluster.kubectl("patch", "polykvengine/eng", "-n", namespace, "--type=merge", "-p", patch)
+    new = eventually("a new pod", lambda: other_replica(k8s_cluster, namespace, rep), 120)
+    got = eventually("the tree on the new pod", lambda: sources(eng, new.ip, rolled_at), 120)
+    assert got == dict.fromkeys(TREE, "peer")
+    eventually(
+        "the old pod gone",
+        lambda: True if [r.pod for r in replicas(k8s_cluster, namespace)] == [new.pod] else None,
+        120,
+    )
+    wait_condition(k8s_cluster, namespace, "polykvengines", "eng", "Ready")
 
 
 @pytest.fixture
