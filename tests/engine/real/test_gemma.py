@@ -4,6 +4,8 @@ that never reuses a prefix whose window was recycled."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -115,36 +117,46 @@ def test_a_recycled_window_is_never_reused(gemma3: Path, tmp_path: Path) -> None
         eng.stop()
 
 
+@contextlib.contextmanager
+def gemma_api(model: Path, tmp_path: Path, args: list[str]) -> Iterator[httpx.Client]:
+    """A client of an engine on ``model`` started with ``args``, stopped afterwards."""
+    eng = EngineProcess(model, args, log_path=tmp_path / "e.log")
+    eng.start(timeout=180)
+    try:
+        with httpx.Client(base_url=eng.base_url, timeout=300) as api:
+            yield api
+    finally:
+        eng.stop()
+
+
 def test_sessions_share_a_long_prompt_without_a_pool(gemma3: Path, tmp_path: Path) -> None:
     # What an agent CLI sends: every session starts with the same long system prompt. The
     # second session takes the first one's cells (automatic sharing, no pool named) past the
     # 512-token window, and its next token's logprobs are a fresh run's.
     args = ["-np", "3", "-c", "4096", "-ctk", "f32", "-ctv", "f32", "-fa", "off"]
-    eng = EngineProcess(gemma3, args, log_path=tmp_path / "e.log")
-    eng.start(timeout=180)
-    try:
-        with httpx.Client(base_url=eng.base_url, timeout=300) as api:
-            system = list(api.post("/tokenize", json={"content": TEXT * 20}).json()["tokens"])
-            system = system[:700]
-            asks = [
-                system
-                + api.post("/tokenize", json={"content": q, "add_special": False}).json()["tokens"]
-                for q in (" Who printed the first Bible?", " Summarize it for a child:")
-            ]
+    with gemma_api(gemma3, tmp_path, args) as api:
 
-            def top(prompt: list[int], **extra: object) -> tuple[dict[str, int], dict[int, float]]:
-                body = {"prompt": prompt, "n_predict": 1, "n_probs": 5, "temperature": 0}
-                got = api.post("/completion", json={**body, **extra}).json()
-                first = got["completion_probabilities"][0]
-                probs = {t["id"]: t["logprob"] for t in first["top_logprobs"]}
-                return {"slot": got["id_slot"], **got["timings"]}, probs
+        def tokens(text: str, special: bool) -> list[int]:
+            body = {"content": text, "add_special": special}
+            return list(api.post("/tokenize", json=body).json()["tokens"])
 
-            ran, fresh = top(asks[1], cache_prompt=False)
-            assert api.post(f"/slots/{ran['slot']}?action=erase").status_code == 200
-            assert top(asks[0], session_id="a")[0]["cache_n"] == 0
-            ran, shared = top(asks[1], session_id="b")
-            assert ran["cache_n"] >= len(system)
-            for tok, logprob in list(fresh.items())[:3]:
-                assert abs(shared.get(tok, -99.0) - logprob) < 0.25, tok
-    finally:
-        eng.stop()
+        system = tokens(TEXT * 20, True)[:700]
+        asks = [
+            system + tokens(q, False)
+            for q in (" Who printed the first Bible?", " Summarize it for a child:")
+        ]
+
+        def top(prompt: list[int], **extra: object) -> tuple[dict[str, int], dict[int, float]]:
+            body = {"prompt": prompt, "n_predict": 1, "n_probs": 5, "temperature": 0}
+            got = api.post("/completion", json={**body, **extra}).json()
+            first = got["completion_probabilities"][0]
+            probs = {t["id"]: t["logprob"] for t in first["top_logprobs"]}
+            return {"slot": got["id_slot"], **got["timings"]}, probs
+
+        ran, fresh = top(asks[1], cache_prompt=False)
+        assert api.post(f"/slots/{ran['slot']}?action=erase").status_code == 200
+        assert top(asks[0], session_id="a")[0]["cache_n"] == 0
+        ran, shared = top(asks[1], session_id="b")
+        assert ran["cache_n"] >= len(system)
+        for tok, logprob in list(fresh.items())[:3]:
+            assert abs(shared.get(tok, -99.0) - logprob) < 0.25, tok
