@@ -93,24 +93,47 @@ class SessionResult:
     cache_n: int
 
 
-def run_one(api: Api, body: dict[str, Any]) -> SessionResult:
-    """Stream one completion; its first token event is its time to first token."""
-    t_send = time.perf_counter()
-    t_first = 0.0
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One streamed completion as the client saw it (perf-counter times), on either server
+    (llama-server's ``/completion`` streams the same events)."""
+
+    sent: float
+    token_times: tuple[float, ...]  # each generated token's arrival
+    final: dict[str, Any]  # the last event: timings, id_slot, tokens_cached
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times[0] - self.sent
+
+    @property
+    def timings(self) -> dict[str, Any]:
+        return dict(self.final["timings"])
+
+
+def stream_turn(client: httpx.Client, base_url: str, body: dict[str, Any]) -> Turn:
+    """Stream one completion from ``base_url``, timing each token as it arrives."""
+    sent = time.perf_counter()
+    times: list[float] = []
     final: dict[str, Any] = {}
-    for t, payload in sse_events(api.client, api.url("/completion"), body):
+    for t, payload in sse_events(client, f"{base_url}/completion", body):
         if payload.get("stop"):
             final = payload
-        elif payload.get("tokens") and not t_first:
-            t_first = t
-    timings = final.get("timings") or {}
-    if not t_first or not timings:
-        raise BenchError(f"no token or no final event for a session: {final}")
+        else:
+            times.extend(t for _ in payload.get("tokens") or ())
+    if not times or not final.get("timings"):
+        raise BenchError(f"{base_url}: no token or no final event for a session: {final}")
+    return Turn(sent, tuple(times), final)
+
+
+def run_one(api: Api, body: dict[str, Any]) -> SessionResult:
+    """Stream one completion; its first token event is its time to first token."""
+    turn = stream_turn(api.client, api.base_url, body)
     return SessionResult(
-        ttft_ms=1e3 * (t_first - t_send),
-        server_prompt_ms=float(timings["prompt_ms"]),
-        prompt_n=int(timings["prompt_n"]),
-        cache_n=int(timings["cache_n"]),
+        ttft_ms=1e3 * turn.ttft_s,
+        server_prompt_ms=float(turn.timings["prompt_ms"]),
+        prompt_n=int(turn.timings["prompt_n"]),
+        cache_n=int(turn.timings["cache_n"]),
     )
 
 

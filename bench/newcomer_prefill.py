@@ -43,7 +43,7 @@ import httpx
 from . import harness as H
 from . import report as R
 from .engine_client import Api
-from .vs_llama_server import _ls_env, llama_server_binary, model_path
+from .upstream import llama_server_binary, llama_server_env, model_path
 from .workload import filler_tokens, word_text
 
 NAME = "newcomer_prefill"
@@ -214,7 +214,8 @@ def targets(
         if binary is not None:
             argv = [binary, "-m", str(model), *common, "-kvu", "--host", "127.0.0.1",
                     "--port", "{port}", "--no-webui"]  # fmt: skip
-            ls = H.ServerProcess("llama-server-newcomer", argv, "/health", env=_ls_env(binary))
+            env = llama_server_env(binary)
+            ls = H.ServerProcess("llama-server-newcomer", argv, "/health", env=env)
             stack.enter_context(H.server(ls))
             tgts.append(Target("llama_server", ls.base_url, ls.pid, None))
         yield [t for t in tgts if t.key in cfg.servers], api, decoders

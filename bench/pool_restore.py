@@ -34,7 +34,7 @@ from typing import Any
 from . import harness as H
 from . import report as R
 from .engine_client import Api
-from .vs_llama_server import model_path
+from .upstream import model_path
 from .workload import filler_tokens
 
 NAME = "pool_restore"

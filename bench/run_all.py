@@ -24,6 +24,7 @@ BENCHMARKS = (
     "router_overhead",
     "vs_llama_server",
     "newcomer_prefill",
+    "long_prefix",
     "speculative",
     "pool_restore",
 )

@@ -39,7 +39,7 @@ import httpx
 from . import harness as H
 from . import report as R
 from .engine_client import Api
-from .vs_llama_server import _ls_env, llama_server_binary, model_path
+from .upstream import llama_server_binary, llama_server_env, model_path
 
 NAME = "speculative"
 LS_MODES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
@@ -207,7 +207,8 @@ def targets(cfg: Config, binary: str, model: Path) -> Iterator[tuple[list[Target
         for mode in cfg.ls_modes:
             argv = [binary, "-m", str(model), *common, "--spec-type", mode,
                     "--host", "127.0.0.1", "--port", "{port}", "--no-webui"]  # fmt: skip
-            ls = H.ServerProcess(f"llama-server-spec-{mode}", argv, "/health", env=_ls_env(binary))
+            env = llama_server_env(binary)
+            ls = H.ServerProcess(f"llama-server-spec-{mode}", argv, "/health", env=env)
             stack.enter_context(H.server(ls))
             out.append(Target(f"ls_{mode}", ls.base_url, ls.pid, None))
         yield out, Api(client, eng.base_url, eng.proc.pid)

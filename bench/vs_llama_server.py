@@ -44,9 +44,7 @@ import contextlib
 import functools
 import os
 import random
-import re
 import statistics
-import subprocess
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -58,6 +56,7 @@ import httpx
 
 from . import harness as H
 from . import report as R
+from . import upstream as U
 from .engine_client import Api
 from .workload import WORDS, word_text
 
@@ -88,15 +87,6 @@ SHARED_LABELS = {
     "polykv_auto": "PolyKV, automatic sharing",
     "polykv_pool": "PolyKV, pool attached",
 }
-# llama-server options whose defaults decide what it reuses between requests.
-CACHE_FLAGS = (
-    "--cache-prompt",
-    "--cache-ram",
-    "--cache-idle-slots",
-    "--cache-reuse",
-    "--slot-prompt-similarity",
-    "--kv-unified",
-)
 _PROMPT_WORDS = WORDS[:25]  # the short list these prompts were first made with
 
 
@@ -131,86 +121,6 @@ def prompt(model: str, rep: int, k: int, i: int) -> str:
     return f"Note {i}: " + " ".join(rng.choice(_PROMPT_WORDS) for _ in range(24)) + "."
 
 
-def model_path(name: str) -> Path:
-    if name == "bench":
-        return H.bench_model()
-    return H.real_model(name)
-
-
-def llama_server_binary() -> tuple[str | None, str]:
-    """(path, "") of the llama-server built by bench/build_llama_server.sh (cached after the
-    first build), or (None, why) where it cannot be built here."""
-    script = H.REPO_ROOT / "bench" / "build_llama_server.sh"
-    H.progress("llama-server: bench/build_llama_server.sh (about 10 minutes the first time)")
-    try:
-        done = subprocess.run([str(script)], capture_output=True, text=True, check=False)
-    except OSError as exc:
-        return None, f"{script.name} could not run: {exc}"
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines or not Path(lines[-1]).is_file():
-        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
-        return None, f"{script.name} exited with {done.returncode}:\n{tail}"
-    return lines[-1], ""
-
-
-def _ls_env(binary: str) -> dict[str, str]:
-    return {"LD_LIBRARY_PATH": str(Path(binary).parent)}  # its own OpenMP default
-
-
-def help_defaults(help_text: str, flags: Sequence[str]) -> dict[str, str]:
-    """The ``(default: ...)`` each flag's entry in a ``--help`` listing states (up to the first
-    comma), "" where an entry states none, absent where the flag is not listed."""
-    entries: list[list[str]] = []
-    for line in help_text.splitlines():
-        if line[:1] not in ("", " "):
-            entries.append([line])
-        elif entries:
-            entries[-1].append(line)
-    out: dict[str, str] = {}
-    for entry in entries:
-        names = []
-        for word in entry[0].split():  # "-sps,  --slot-prompt-similarity SIMILARITY  how ..."
-            if word.startswith("-"):
-                names.append(word.rstrip(","))
-            elif not word.isupper():  # a metavariable (N, FNAME) goes on; the text stops
-                break
-        text = " ".join(part.strip() for part in entry)
-        found = re.search(r"\(default: ([^,)]*)", text)
-        for flag in flags:
-            if flag in names:
-                out[flag] = found.group(1).strip() if found else ""
-    return out
-
-
-def llama_server_info(binary: str) -> dict[str, Any]:
-    """The build's version line and the defaults of its caching options."""
-
-    def run(*args: str) -> str:
-        done = subprocess.run(
-            [binary, *args],
-            capture_output=True,
-            text=True,
-            env={**os.environ, **_ls_env(binary)},
-            timeout=60,
-            check=False,
-        )
-        return done.stdout + done.stderr
-
-    version = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in run("--version").splitlines()
-            if ln.startswith("version:")
-        ),
-        "?",
-    )
-    return {
-        "binary": binary,
-        "version": version,
-        "defaults": help_defaults(run("--help"), CACHE_FLAGS),
-    }
-
-
 @contextlib.contextmanager
 def servers(model: Path, cfg: Config, binary: str) -> Iterator[list[Server]]:
     common = ["-np", str(N_SLOTS), "-c", str(CTX), "-t", str(cfg.threads), "-fa", cfg.flash_attn]
@@ -232,7 +142,7 @@ def servers(model: Path, cfg: Config, binary: str) -> Iterator[list[Server]]:
                 "--no-webui",
             ],
             "/health",
-            env=_ls_env(binary),
+            env=U.llama_server_env(binary),
         )
         stack.enter_context(H.server(ls))
         out.append(Server("llama_server", "llama-server", ls.base_url, ls.pid))
@@ -448,7 +358,7 @@ def llama_server_run(
             "--no-webui",
         ],
         "/health",
-        env=_ls_env(binary),
+        env=U.llama_server_env(binary),
     )
     with H.server(ls):
         warm_up(client, ls.base_url)
@@ -484,7 +394,7 @@ def polykv_run(
 
 
 def measure_shared(cfg: Config, binary: str, model: str, raw: dict[str, Any]) -> None:
-    path = model_path(model)
+    path = U.model_path(model)
     args = [
         "-np",
         str(AGENTS),
@@ -544,14 +454,14 @@ def measure_shared(cfg: Config, binary: str, model: str, raw: dict[str, Any]) ->
 def measure(cfg: Config, binary: str) -> dict[str, Any]:
     raw: dict[str, Any] = {
         "env": R.environment(),
-        "llama_server": llama_server_info(binary),
+        "llama_server": U.llama_server_info(binary),
         "shared_models": {},
         "runs": [],
         "shared_runs": [],
     }
     for model in cfg.models:
         if "decode" in cfg.sections:
-            path = model_path(model)
+            path = U.model_path(model)
             H.progress(f"{model}: starting llama-server and {len(OMP_POLICIES)} engines")
             with servers(path, cfg, binary) as srvs:
                 for rep in range(cfg.reps):
@@ -910,7 +820,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.shared_prefix_tokens, cfg.stagger_s, cfg.answer_tokens = 400, 0.2, 8
     if cfg.reps < 1 or not 200 <= cfg.shared_prefix_tokens <= SLOT_CTX - 200:
         p.error(f"--reps must be >= 1 and --prefix-tokens in 200..{SLOT_CTX - 200}")
-    binary, why = llama_server_binary()
+    binary, why = U.llama_server_binary()
     if binary is None:
         H.progress(f"SKIPPED {NAME}: llama-server cannot be built on this machine. {why}")
         print(f"{NAME}: skipped, llama-server cannot be built here (see stderr)")
