@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from polykv_engine.llama.omp import ENV as OMP_ENV
 from polykv_engine.llama.omp import apply_omp_policy
 from polykv_engine.testing import EngineProcess, free_port
 
@@ -45,10 +46,10 @@ MODEL_ENV = "POLYKV_BENCH_MODEL"
 DEFAULT_MODEL = REPO_ROOT / "models" / "polykv-bench.gguf"
 
 # Both servers under test load the same libllama; give its OpenMP runtime the same policy:
-# the one the engine ships with, resolved for this machine's CPUs (bench/vs_llama_server.py
-# measures the others).
+# the one the engine ships with (or the one POLYKV_OMP_WAIT_POLICY names, as for the engine),
+# resolved for this machine's CPUs (bench/vs_llama_server.py measures the others).
 SERVER_ENV: dict[str, str] = {}
-apply_omp_policy(SERVER_ENV)
+OMP_CHOICE = apply_omp_policy(SERVER_ENV, os.environ.get(OMP_ENV))
 
 _T0 = time.monotonic()
 

@@ -290,6 +290,12 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
 def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     env = raw["env"]
     period_ms = 1e3 / cfg.floor_tps
+    ls_build = (
+        "llama-server: upstream, built from the same llama.cpp tree without PolyKV's kernel "
+        "patches, `-kvu`"
+        if "llama_server" in cfg.servers
+        else "llama-server not run this time (`--servers`)"
+    )
     lines = [
         f"### A newcomer's prompt while sessions decode ({cfg.model}, floor "
         f"{cfg.floor_tps:g} tok/s)",
@@ -299,8 +305,9 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         f"token after the newcomer's, in floor periods ({period_ms:.0f} ms; the target is "
         f"≤ 1.5). *First token*: the newcomer's. PolyKV, floor: the sessions' pool has the floor "
         f"and the engine paces the prompt; PolyKV, no floor: the same engine, the prompt in one "
-        f"step (the engine before pacing); llama-server: upstream, built from the same "
-        f"llama.cpp tree without PolyKV's kernel patches, `-kvu`. Median (min–max) of "
+        f"step (the engine before pacing); both on PolyKV's llama-cpp-python "
+        f"{env.get('llama_cpp_python', '?')} wheel with its ggml patches; {ls_build}. "
+        f"Median (min–max) of "
         f"{cfg.reps} repetitions, the servers alternating; `-np {max(cfg.decoders) + 1} -c "
         f"{cfg.ctx} -t {cfg.threads} -fa {cfg.flash_attn}`, greedy, streams read token by "
         f"token.",
@@ -330,7 +337,8 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         "",
         f"{env['cpu']}, {env['cpu_count']} cores; load average at start "
         f"{env['loadavg_at_start'][0]:.2f}; other processes used "
-        f"{statistics.median(foreign) if foreign else 0:.2f} cores (median over runs). Commit "
+        f"{statistics.median(foreign) if foreign else 0:.2f} cores (median over runs); OpenMP "
+        f"wait policy {env.get('omp_wait_policy', 'auto')}. Commit "
         f"{env['git_commit']}, {env['date_utc']}; `python -m bench.{NAME}`, raw numbers in "
         f"`bench/results/{NAME}.json`.",
     ]

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .harness import REPO_ROOT, RESULTS_DIR, Summary, progress
+from .harness import OMP_CHOICE, REPO_ROOT, RESULTS_DIR, Summary, progress
 
 DOCS_PAGE = REPO_ROOT / "docs" / "performance.md"  # the tables; never the front page
 CHARTS_DIR = REPO_ROOT / "docs" / "assets" / "bench"
@@ -65,6 +65,7 @@ def environment() -> dict[str, Any]:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "loadavg_at_start": list(os.getloadavg()),
+        "omp_wait_policy": OMP_CHOICE.policy,  # the servers' OpenMP threads between steps
         "python": platform.python_version(),
         "llama_cpp_python": llama_version,
         "platform": platform.platform(),
