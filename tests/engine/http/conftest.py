@@ -39,6 +39,26 @@ def start_engine(
         eng.stop()
 
 
+@pytest.fixture(scope="module")
+def start_on(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[..., EngineProcess]]:
+    """Start an engine on another model file; each one is stopped at the module's end."""
+    started: list[EngineProcess] = []
+    logs = tmp_path_factory.mktemp("engines-on")
+
+    def start(model: Path, *args: str) -> EngineProcess:
+        log = logs / f"{model.stem}-{len(started)}.log"
+        eng = EngineProcess(model=model, args=list(args), log_path=log)
+        eng.start()
+        started.append(eng)
+        return eng
+
+    yield start
+    for eng in started:
+        eng.stop()
+
+
 @pytest.fixture(scope="session")
 def engine(start_engine: Callable[..., EngineProcess]) -> EngineProcess:
     """The shared engine: 4 slots, unified 8k cache, metrics on, no key."""

@@ -27,25 +27,6 @@ WINDOW = 32  # the test-swa model's
 KEYS = ["--api-key", "infer-key", "--polykv-admin-key", "admin-key"]
 
 
-@pytest.fixture(scope="module")
-def start_on(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Callable[..., EngineProcess]]:
-    started: list[EngineProcess] = []
-    logs = tmp_path_factory.mktemp("memory-kinds")
-
-    def start(model: Path, *args: str) -> EngineProcess:
-        log = logs / f"{model.stem}-{len(started)}.log"
-        eng = EngineProcess(model=model, args=list(args), log_path=log)
-        eng.start()
-        started.append(eng)
-        return eng
-
-    yield start
-    for eng in started:
-        eng.stop()
-
-
 def client_of(eng: EngineProcess) -> httpx.Client:
     return httpx.Client(base_url=eng.base_url, timeout=180, headers=ADMIN)
 

@@ -343,38 +343,6 @@ def test_a_bad_restore_peer_is_refused_naming_the_field(engine: EngineProcess, p
 SWA_TWIG = TOKENS[:70] + TWIG[BRANCH_AT:]  # branches 2 windows below the root's end
 
 
-@pytest.fixture(scope="module")
-def start_model(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Callable[..., EngineProcess]]:
-    started: list[EngineProcess] = []
-    logs = tmp_path_factory.mktemp("snapshot-kinds")
-
-    def start(model: Path, store: Path) -> EngineProcess:
-        eng = EngineProcess(
-            model=model,
-            args=[
-                "-np",
-                "2",
-                "-c",
-                "2048",
-                "--polykv-admin-key",
-                "admin-key",
-                "--polykv-snapshot-dir",
-                str(store),
-                *DETERMINISTIC,
-            ],
-            log_path=logs / f"{model.stem}-{len(started)}.log",
-        )
-        eng.start()
-        started.append(eng)
-        return eng
-
-    yield start
-    for eng in started:
-        eng.stop()
-
-
 def kind_tree(kind: str) -> list[tuple[str, str | None, list[int], list[list[int]]]]:
     """(name, parent, tokens, prompts) for each pool: a sliding-window branch and attaches
     well below the window's reach of the end; recurrent pools extend and attach at the end."""
@@ -409,7 +377,7 @@ def kind_run(eng: EngineProcess, kind: str) -> tuple[list[str], list[Any]]:
 
 @pytest.mark.parametrize("kind", ["swa", "mamba", "jamba"])
 def test_sliding_window_and_recurrent_pools_restore_bit_identical(
-    start_model: Callable[..., EngineProcess],
+    start_on: Callable[..., EngineProcess],
     request: pytest.FixtureRequest,
     tmp_path: Path,
     kind: str,
@@ -418,11 +386,13 @@ def test_sliding_window_and_recurrent_pools_restore_bit_identical(
     the cells its last token no longer sees, which an attach or a branch lower down needs);
     a recurrent one saves its state at the end with its attention cells."""
     model = request.getfixturevalue(f"{kind}_model")
-    first = start_model(model, tmp_path / "store")
+    args = ("-np", "2", "-c", "2048", "--polykv-admin-key", "admin-key",
+            "--polykv-snapshot-dir", str(tmp_path / "store"), *DETERMINISTIC)  # fmt: skip
+    first = start_on(model, *args)
     sources, before = kind_run(first, kind)
     assert set(sources) == {"prefill"}
     first.stop()
-    again = start_model(model, tmp_path / "store")
+    again = start_on(model, *args)
     sources, after = kind_run(again, kind)
     assert set(sources) == {"store"}
     assert after == before
