@@ -15,6 +15,13 @@ package, copied in place by its postinstall script, which is run here). Their pr
 ``--swa-full`` it keeps them all, so a later prompt can reuse a cached prefix (automatic
 sharing between sessions waits on pools for sliding-window models: one slot here, which
 the second run reuses).
+
+Where the time goes: each CLI's first run prefills its whole prompt once (the kept prefix
+its ``cache_control`` breakpoints or ``prompt_cache_key`` ask for); the second run computes
+only what follows the user's words. The CLIs' own deadlines are raised to the run's
+timeout: by default Claude Code gives up on a request after 10 minutes and Codex on a
+stream with no event for 5 (the engine's Responses keep-alives are SSE comments), and each
+then sends the request again, which the engine may compute again from the start.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ CODEX = "@openai/codex@0.169.0"
 KEY = "cli-test-key"
 CACHE = Path.home() / ".cache" / "polykv" / "agent-clis"
 RUN_TIMEOUT_S = 1800  # a cold 12k-token prefill on two loaded cores
+CLI_TIMEOUT_MS = str(RUN_TIMEOUT_S * 1000)  # the CLIs wait as long as the test does
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +94,9 @@ def _claude(bin_dir: Path, eng: EngineProcess, home: Path, prompt: str) -> dict[
         "ANTHROPIC_API_KEY": KEY,
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_TELEMETRY": "1",
+        # Its defaults (10 minutes) are shorter than a cold prefill on two loaded cores.
+        "API_TIMEOUT_MS": CLI_TIMEOUT_MS,
+        "CLAUDE_STREAM_FIRST_BYTE_TIMEOUT_MS": CLI_TIMEOUT_MS,
     }
     cmd = [str(bin_dir / "claude"), "-p", prompt, "--output-format", "json", "--max-turns", "1"]
     done = subprocess.run(
@@ -127,6 +138,7 @@ def _codex(bin_dir: Path, eng: EngineProcess, home: Path, prompt: str) -> dict[s
         f'base_url = "{eng.base_url}/v1"\n'
         'wire_api = "responses"\n'
         'env_key = "POLYKV_KEY"\n'
+        f"stream_idle_timeout_ms = {CLI_TIMEOUT_MS}\n"  # 5 minutes by default
     )
     env = _env({"CODEX_HOME": str(home), "POLYKV_KEY": KEY, "HOME": str(home)})
     cmd = [str(bin_dir / "codex"), "exec", "--skip-git-repo-check", "--json", prompt]
