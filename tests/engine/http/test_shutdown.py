@@ -16,7 +16,7 @@ from .test_completion import sse_events
 
 
 def test_sigterm_drains_in_flight_streams(start_engine: Callable[..., EngineProcess]) -> None:
-    eng = start_engine("-np", "2", "--shutdown-timeout", "30")
+    eng = start_engine("-np", "2", "--shutdown-timeout", "300")  # a loaded 2-core machine
     assert eng.proc is not None
     body = {"prompt": "drain me", "n_predict": 1500, "temperature": 0, "ignore_eos": True,
             "stream": True}  # fmt: skip
@@ -39,7 +39,7 @@ def test_sigterm_drains_in_flight_streams(start_engine: Callable[..., EngineProc
     t.start()
     assert started.wait(30)
     eng.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     health = 0
     while time.monotonic() < deadline:
         health = httpx.get(f"{eng.base_url}/health").status_code
@@ -49,7 +49,7 @@ def test_sigterm_drains_in_flight_streams(start_engine: Callable[..., EngineProc
     assert health == 503  # readiness fails at once
     r = httpx.post(f"{eng.base_url}/completion", json={"prompt": "late", "n_predict": 2})
     assert r.status_code == 503 and r.headers["Retry-After"].isdigit()
-    t.join(60)
+    t.join(300)
     final = got["final"]
     assert isinstance(final, dict) and final.get("tokens_predicted") == 1500, final  # not cut
-    assert eng.proc.wait(30) == 0
+    assert eng.proc.wait(60) == 0
