@@ -28,7 +28,8 @@ from polykv_api.agent_headers import (
     header_names,
 )
 from polykv_api.limits import MAX_DRAFT
-from polykv_engine.core.engine import Engine, EngineConfig
+from polykv_engine.core.config import EngineConfig
+from polykv_engine.core.engine import Engine
 from polykv_engine.core.tasks import SpecParams
 from polykv_engine.http.app import serve
 from polykv_engine.http.app_context import ServerSettings

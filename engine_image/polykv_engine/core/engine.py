@@ -23,12 +23,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from polykv_api.limits import MAX_GRAMMAR_STACKS
 from polykv_api.models import Reason
+from polykv_engine.core.assembly import assemble
+from polykv_engine.core.config import EngineConfig
 from polykv_engine.core.draft_model import DraftModel, DraftRequest
 from polykv_engine.core.prefix import AttachedPool, waits_for_shared_prefix
 from polykv_engine.core.scheduler import (
@@ -46,14 +47,12 @@ from polykv_engine.core.tasks import (
     DoneEvent,
     ErrorEvent,
     GenerateTask,
-    SpecParams,
     StopType,
     TokenEvent,
 )
 from polykv_engine.kv.cache import KVCache
-from polykv_engine.kv.memory import Memory, swa_full_cost
-from polykv_engine.llama.runtime import Batch, LlamaError, LlamaRuntime, RuntimeConfig
-from polykv_engine.persist.key import Fingerprint, build_digest, file_digest
+from polykv_engine.kv.memory import Memory
+from polykv_engine.llama.runtime import Batch, LlamaError, LlamaRuntime
 from polykv_engine.persist.store import SnapshotStore
 from polykv_engine.policy.prefill import PrefillPacer
 from polykv_engine.policy.speculation import Speculation
@@ -61,10 +60,9 @@ from polykv_engine.policy.step_time import (
     CYCLE_ALPHA,
     CYCLE_FRESH_S,
     CYCLE_MIN_STEPS,
-    CeilingCurve,
     StepTimer,
 )
-from polykv_engine.policy.tps import SessionRate, ThroughputRate
+from polykv_engine.policy.tps import ThroughputRate
 from polykv_engine.pools.manager import PoolManager
 from polykv_engine.pools.tree import PoolError
 
@@ -81,30 +79,6 @@ T = TypeVar("T")
 # How long a step may wait for requests that arrive together: the server reads a burst one
 # request at a time (about a millisecond each on a busy CPU).
 ARRIVAL_GATHER_S = 0.02
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    runtime: RuntimeConfig
-    n_parallel: int = 1
-    max_pools: int = 16
-    context_shift: bool = False
-    tps_window_tokens: int = 128
-    tps_window_s: float = 2.0
-    pool_grace_s: float = 10.0  # an idle pool is kept this long before KV pressure may evict it
-    kv_debug: bool = False  # reserve a probe sequence to read llama.cpp's used-cell count
-    warmup: bool = True  # run the model once before reporting ready (--no-warmup: skip)
-    max_queue: int = 64  # requests waiting for a slot beyond which new ones get 503
-    auto_share: bool = True  # share a prompt's prefix with any resident sequence (no pool)
-    park_mib: int = 1024  # host memory for idle caches parked out of KV (0: never park)
-    pause_aware_admission: bool = True  # admission counts sessions between turns as load
-    admission_ceiling: CeilingCurve = "cycle"  # which step-time curve caps admission's projection
-    prefill_budget: int = 0  # prompt tokens a step may carry while sessions decode (0: by floor)
-    prefill_floor_tps: float = 0.0  # the floor pacing assumes for sessions without a pool floor
-    spec: SpecParams = field(default_factory=SpecParams)  # for requests that do not choose
-    draft_model: Path | None = None  # -md: a smaller model of the same vocabulary
-    snapshot_dir: Path | None = None  # where pools' KV snapshots are kept (None: none are)
-    snapshot_mib: int = 4096  # the most the snapshot store holds
 
 
 class Engine:
@@ -262,163 +236,18 @@ class Engine:
             self._shutdown()
 
     def _load(self) -> None:
-        pools_on = self.cfg.max_pools > 0
-        # Pools on a sliding-window model: a pool of any length, attached or branched at any
-        # point, needs the window layers to keep every cell too (a full-size SWA cache; no
-        # effect on other models), and each pool a guard sequence (kv.cache).
-        rcfg = replace(
-            self.cfg.runtime,
-            n_seq_max=self.n_seq_max,
-            swa_full=self.cfg.runtime.swa_full or pools_on,
-            guard_seqs=self.cfg.max_pools,
-        )
-        t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(1) as hasher:
-            # The model file's digest keys its snapshots: read beside the model's load.
-            model_digest = (
-                hasher.submit(file_digest, rcfg.model_path)
-                if self.cfg.snapshot_dir is not None and pools_on
-                else None
-            )
-            rt = LlamaRuntime(rcfg)
-            self.runtime = rt
-            if model_digest is not None:
-                self.snapshots = self._open_snapshots(rt, model_digest.result())
-        info = rt.info
-        self.memory = Memory.of(info.is_recurrent, info.is_hybrid, info.n_swa)
-        if self.cfg.draft_model is not None:
-            self._drafter = self._load_drafter(self.cfg.draft_model, rt)
-        if self.cfg.warmup:
-            tw = time.perf_counter()
-            rt.warm_up(0)
-            log.info("warm-up decode done in %.2fs", time.perf_counter() - tw)
-        n_ctx_slot = min(rt.n_ctx_seq, info.n_ctx_train or rt.n_ctx_seq)
-        self._batch = rt.new_batch()
-        first = self.cfg.n_parallel
-        pool_seqs = range(first, first + self.cfg.max_pools)
-        guards = {seq: self.n_seq_max + i for i, seq in enumerate(pool_seqs)}
-        self._kv = KVCache(rt, guards if rt.guard_seqs else None)
-        self._slots = SlotTable(
-            [
-                Slot(i, n_ctx_slot, SessionRate(self.cfg.tps_window_tokens, self.cfg.tps_window_s))
-                for i in range(self.cfg.n_parallel)
-            ],
-            self._kv,
-            self._scratch_seq if self._parks and self.memory.plain else None,
-            self.cfg.park_mib << 20,
-            self.memory,
-        )
-        self._pools = PoolManager(
-            self._kv,
-            pool_seqs,
-            rt.kv_bytes_per_token,
-            self.cfg.pool_grace_s,
-            self._slots.session_tokens,
-            state_bytes=rt.state_bytes,
-            extend_only=self.memory.exact_length,
-            on_removed=self._slots.unlink_pool,
-            store=self.snapshots,
-            scratch=self._scratch_seq,
-        )
-        if not pools_on:
-            self.pools_disabled_reason = "pools are disabled (--polykv-max-pools 0)"
-        elif self.memory.kind == "hybrid" and info.n_swa > 0:
-            # Its attention layers recycle cells like any sliding window, and a guard
-            # sequence cannot share a recurrent state: a pool could not be kept whole.
-            self.pools_disabled_reason = (
-                f"this hybrid model has sliding-window attention (window {info.n_swa} "
-                "tokens) beside its recurrent state: llama.cpp recycles the window's cells "
-                "and a recurrent sequence cannot be guarded against that, so pools are "
-                "disabled on it (sessions and prompt caching still work)"
-            )
-            log.warning("pools disabled: %s", self.pools_disabled_reason)
-        elif self.memory.guarded:
-            # Against the window-sized cache the same -c and -np get without pools.
-            n_ubatch = min(rcfg.n_ubatch, rcfg.n_batch)
-            self.swa_full_cost = swa_full_cost(
-                rt.n_ctx, info.n_swa, self.cfg.n_parallel, n_ubatch, rcfg.kv_unified,
-                rt.swa_bytes_per_token,
-            )  # fmt: skip
-            log.info(
-                "sliding-window model (window %d tokens): pools keep their cells with guard "
-                "sequences, and the window layers keep a full-size cache: %.1f MiB more than "
-                "a window-sized one (%d bytes per token of context)",
-                info.n_swa,
-                self.swa_full_cost / 2**20,
-                rt.swa_bytes_per_token,
-            )
-        elif self.memory.exact_length:
-            log.info(
-                "%s model: a pool is attached at exactly its length and forks extend their "
-                "parent (recurrent state %d bytes per sequence)",
-                self.memory.kind,
-                rt.state_bytes,
-            )
-        log.info(
-            "model loaded in %.2fs: %s, n_ctx=%d (per slot %d), n_batch=%d, slots=%d, "
-            "seq ids=%d (pools %d), kv_unified=%s",
-            time.perf_counter() - t0,
-            rt.info.description,
-            rt.n_ctx,
-            n_ctx_slot,
-            rt.n_batch,
-            self.cfg.n_parallel,
-            self.n_seq_max,
-            self.cfg.max_pools,
-            rcfg.kv_unified,
-        )
-        if self.cfg.context_shift and self.cfg.max_pools > 0:
-            log.warning(
-                "--context-shift with pools: a session whose context holds pool-shared cells "
-                "is never shifted (that would corrupt the pool for everyone); it stops with "
-                "truncated=true instead. Compact by re-forking (docs/concepts.md, "
-                "'Context and compaction')."
-            )
+        parts = assemble(self.cfg, self.n_seq_max, self._scratch_seq, self._parks)
+        self.runtime = parts.runtime
+        self.memory = parts.memory
+        self.snapshots = parts.snapshots
+        self._drafter = parts.drafter
+        self._batch = parts.batch
+        self._kv = parts.kv
+        self._slots = parts.slots
+        self._pools = parts.pools
+        self.pools_disabled_reason = parts.pools_disabled_reason
+        self.swa_full_cost = parts.swa_full_cost
         self._publish(ready=True)
-
-    def _load_drafter(self, path: Path, rt: LlamaRuntime) -> DraftModel:
-        """The draft model: one sequence per slot in a cache as large as the model's."""
-        dcfg = replace(
-            self.cfg.runtime,
-            model_path=path,
-            n_ctx=rt.n_ctx,
-            n_seq_max=self.cfg.n_parallel,
-            kv_debug=False,
-            swa_full=False,
-            guard_seqs=0,
-        )
-        draft_rt = LlamaRuntime(dcfg)
-        try:
-            drafter = DraftModel(draft_rt, rt.info.n_vocab)
-        except LlamaError:
-            draft_rt.close()
-            raise
-        log.info("draft model loaded: %s", draft_rt.info.description)
-        return drafter
-
-    def _open_snapshots(self, rt: LlamaRuntime, model_digest: str) -> SnapshotStore:
-        """The snapshot store, keyed by this model file, llama.cpp build and cache layout."""
-        assert self.cfg.snapshot_dir is not None
-        build = build_digest(rt.library_files(), rt.build_label)
-        fingerprint = Fingerprint(model_digest, build, rt.kv_layout())
-        store = SnapshotStore(
-            self.cfg.snapshot_dir,
-            self.cfg.snapshot_mib << 20,
-            fingerprint,
-            rt.kv_bytes_per_token,
-            rt.state_bytes,
-        )
-        log.info(
-            "KV snapshots in %s: %d files, %.1f of %d MiB; model %s, build %s, layout %s",
-            self.cfg.snapshot_dir,
-            store.n_files,
-            store.used_bytes / 2**20,
-            self.cfg.snapshot_mib,
-            model_digest[:12],
-            build[:12],
-            fingerprint.layout,
-        )
-        return store
 
     def _busy(self) -> bool:
         builds = self._pools is not None and bool(self._pools.builds)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from polykv_engine.core.engine import ARRIVAL_GATHER_S, Engine, EngineConfig
+from polykv_engine.core.config import EngineConfig
+from polykv_engine.core.engine import ARRIVAL_GATHER_S, Engine
 from polykv_engine.core.tasks import DoneEvent, Event, GenerateTask, TokenEvent
 from polykv_engine.llama.runtime import RuntimeConfig
 from polykv_engine.llama.sampling import SamplingParams, StopParams
