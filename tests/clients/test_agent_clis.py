@@ -12,9 +12,8 @@ their versions; Claude Code's platform binary comes from its optional ``-linux-x
 package, copied in place by its postinstall script, which is run here). Their prompts are
 ~10k tokens of system prompt and tools: past SmolLM2's 8k window, so the engine runs Gemma
 3 270M (32k). Gemma 3 keeps sliding-window layers, whose cells llama.cpp recycles; with
-``--swa-full`` it keeps them all, so a later prompt can reuse a cached prefix (automatic
-sharing between sessions waits on pools for sliding-window models: one slot here, which
-the second run reuses).
+``--swa-full`` it keeps them all, so a later prompt can reuse a cached prefix (one slot
+here, which the second run reuses).
 
 Where the time goes: each CLI's first run prefills its whole prompt once (the kept prefix
 its ``cache_control`` breakpoints or ``prompt_cache_key`` ask for); the second run computes
@@ -98,7 +97,10 @@ def _claude(bin_dir: Path, eng: EngineProcess, home: Path, prompt: str) -> dict[
         "API_TIMEOUT_MS": CLI_TIMEOUT_MS,
         "CLAUDE_STREAM_FIRST_BYTE_TIMEOUT_MS": CLI_TIMEOUT_MS,
     }
-    cmd = [str(bin_dir / "claude"), "-p", prompt, "--output-format", "json", "--max-turns", "1"]
+    # No Agent tool: a sampled call to it starts a sub-agent, whose own turns --max-turns does
+    # not bound (seen: 14 turns, 15 minutes, the parent's kept prefix expired meanwhile).
+    cmd = [str(bin_dir / "claude"), "-p", prompt, "--output-format", "json", "--max-turns", "1",
+           "--disallowedTools", "Agent"]  # fmt: skip
     done = subprocess.run(
         cmd, env=_env(env), cwd=home, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
     )
