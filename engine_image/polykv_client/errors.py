@@ -11,14 +11,15 @@ older than the codes is read by its status alone, where the status has one meani
         ├── AuthError                unauthorized, forbidden
         ├── InvalidRequest           the request itself is malformed or too large
         │   └── InvalidReference     a pool or session reference refused client-side
-        ├── PoolNotFound             pool_not_found
+        ├── PoolNotFound             pool_not_found, snapshot_not_found
         ├── NameConflict             name_conflict
         ├── PrefixMismatch           prefix_mismatch, no_common_prefix, branch_pos_invalid
         ├── PrefixTooLong            prefix_too_long, prompt_too_long
         ├── HasChildren              has_children
         ├── SeqIdsExhausted          seq_ids_exhausted
         ├── PoolBusy                 pinned, in use, materializing, released, parent failed
-        ├── PoolsDisabled            pools_disabled, not_supported, recurrent_branch/attach
+        ├── PoolsDisabled            pools_disabled, not_supported, recurrent_branch/attach,
+        │                            snapshots_disabled
         ├── SessionNotFound          session_not_found, slot_not_found, response_not_found
         ├── SessionBusy              session_empty, session_busy, slot_busy
         └── PoolSaturated            a 429 from the admission gate (tps_floor, kv_headroom,
@@ -84,7 +85,8 @@ class InvalidReference(InvalidRequest):
 
 
 class PoolNotFound(RequestRejected):
-    """No pool by that id or name on this engine (or the parent a fork names)."""
+    """No pool by that id or name on this engine (or the parent a fork names), or no
+    snapshot of a pool's prefix on the replica asked for it."""
 
 
 class NameConflict(RequestRejected):
@@ -112,8 +114,9 @@ class PoolBusy(RequestRejected):
 
 
 class PoolsDisabled(RequestRejected):
-    """This engine serves no pools (``--polykv-max-pools 0``), or its model cannot do what
-    was asked (a branch or attach below a pool's length on a recurrent or hybrid model)."""
+    """This engine serves no pools (``--polykv-max-pools 0``) or keeps no snapshots (no
+    ``--polykv-snapshot-dir``), or its model cannot do what was asked (a branch or attach
+    below a pool's length on a recurrent or hybrid model)."""
 
 
 class SessionNotFound(RequestRejected):
@@ -181,6 +184,8 @@ ERRORS: dict[wire.Reason, type[PolyKVError]] = {
     # a recurrent state is exact only at a pool's end: the model cannot do what was asked
     "recurrent_branch": PoolsDisabled,
     "recurrent_attach": PoolsDisabled,
+    "snapshots_disabled": PoolsDisabled,
+    "snapshot_not_found": PoolNotFound,
     "seq_ids_exhausted": SeqIdsExhausted,
     "has_children": HasChildren,
     "pool_pinned": PoolBusy,
