@@ -35,6 +35,35 @@ def kopf_args(
     return [*args, *extra]
 
 
+def _kubeconfig_registry() -> Any:
+    """A fresh kopf registry whose fallback login is kopf's own kubeconfig reader.
+
+    With the kubernetes client installed kopf would log in through it, and that client fixes
+    its default kubeconfig path ($KUBECONFIG) when it is first imported: in a pytest process
+    that may be before the test's cluster exists, and the login then finds no config. kopf's
+    reader looks at $KUBECONFIG when it logs in. An operator's own login handlers still win."""
+    from kopf._cogs.structs import ids
+    from kopf._core.actions import execution
+    from kopf._core.intents import causes, handlers, piggybacking
+    from kopf._core.intents.registries import OperatorRegistry
+
+    registry = OperatorRegistry()
+    registry._activities.append(
+        handlers.ActivityHandler(
+            id=ids.HandlerId("login_with_kubeconfig"),
+            fn=piggybacking.login_with_kubeconfig,
+            activity=causes.Activity.AUTHENTICATION,
+            errors=execution.ErrorsMode.IGNORED,
+            param=None,
+            timeout=None,
+            retries=None,
+            backoff=None,
+            _fallback=True,
+        )
+    )
+    return registry
+
+
 class _IsolatedRunner:
     """A KopfRunner with a registry of its own.
 
@@ -50,10 +79,9 @@ class _IsolatedRunner:
 
     def __enter__(self) -> Any:
         import kopf
-        from kopf._core.intents.registries import SmartOperatorRegistry
 
         self._saved = kopf.get_default_registry()
-        kopf.set_default_registry(SmartOperatorRegistry())  # with kopf's built-in logins
+        kopf.set_default_registry(_kubeconfig_registry())
         if not (isinstance(self.target, Path) or str(self.target).endswith(".py")):
             sys.modules.pop(str(self.target), None)
         return self.runner.__enter__()
