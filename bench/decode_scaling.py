@@ -838,11 +838,13 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     same = res["k1_same_greedy_text"]
     foreign = [r["foreign_cpu_cores"] for rs in raw["runs"].values() for r in rs]
     lines += [
-        f"{env['cpu']}, {env['cpu_count']} cores; other processes used "
-        f"{statistics.median(foreign):.2f} cores (median, max {max(foreign):.2f}) while "
-        f"measuring. Single-session greedy text identical on both servers in "
-        f"{same['equal']}/{same['of']} repeats. Commit {env['git_commit']}, {env['date_utc']}; "
-        f"`python -m bench.decode_scaling`, raw numbers in `bench/results/{NAME}.json`.",
+        R.provenance(
+            NAME,
+            env,
+            foreign,
+            note=f"Single-session greedy text identical on both servers in "
+            f"{same['equal']}/{same['of']} repeats.",
+        ),
     ]
     return "\n".join(lines)
 

@@ -351,9 +351,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             f"{cfg.reps} cold and {cfg.reps * cfg.rounds} resident round(s) per server, the "
             "servers alternating, the one not measured stopped (SIGSTOP).",
             "",
-            f"{env['cpu']}, {env['cpu_count']} cores; load average at start "
-            f"{env['loadavg_at_start'][0]:.2f}. Commit {env['git_commit']}, {env['date_utc']}; "
-            f"`python -m bench.{NAME}`, raw numbers in `bench/results/{NAME}.json`.",
+            R.provenance(NAME, env),
         ]
     )
 
@@ -381,12 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                  prefix_scale=args.prefix_scale, servers=servers)  # fmt: skip
     if args.quick:
         cfg.prefix_scale, cfg.rounds, cfg.decode_tokens = 0.05, 1, 16
-    binary = None
-    if "llama_server" in servers:
-        binary, why = U.llama_server_binary()
-        if binary is None:
-            H.progress(f"SKIPPED {NAME}: llama-server cannot be built on this machine. {why}")
-            return 0
+    binary = U.llama_server_or_skip(NAME) if "llama_server" in servers else None
+    if binary is None and "llama_server" in servers:
+        return 0
     return R.run_and_publish(NAME, cfg, args, lambda c: measure(c, binary), analyse, render)
 
 

@@ -43,7 +43,7 @@ import httpx
 from . import harness as H
 from . import report as R
 from .engine_client import Api
-from .upstream import llama_server_binary, llama_server_env, model_path
+from .upstream import llama_server_env, llama_server_or_skip, model_path
 from .workload import filler_tokens, word_text
 
 NAME = "newcomer_prefill"
@@ -335,12 +335,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     foreign = [r["foreign_cpu_cores"] for r in raw["runs"]]
     lines += [
         "",
-        f"{env['cpu']}, {env['cpu_count']} cores; load average at start "
-        f"{env['loadavg_at_start'][0]:.2f}; other processes used "
-        f"{statistics.median(foreign) if foreign else 0:.2f} cores (median over runs); OpenMP "
-        f"wait policy {env.get('omp_wait_policy', 'auto')}. Commit "
-        f"{env['git_commit']}, {env['date_utc']}; `python -m bench.{NAME}`, raw numbers in "
-        f"`bench/results/{NAME}.json`.",
+        R.provenance(NAME, env, foreign),
     ]
     return "\n".join(lines)
 
@@ -375,10 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--reps >= 1, --decoders and --prompt-tokens non-empty, --floor-tps > 0")
     if not cfg.servers:
         p.error(f"--servers: a subset of {','.join(SERVERS)}")
-    binary, why = llama_server_binary() if "llama_server" in cfg.servers else (None, "")
+    binary = llama_server_or_skip(NAME) if "llama_server" in cfg.servers else None
     if binary is None and "llama_server" in cfg.servers:
-        H.progress(f"SKIPPED {NAME}: llama-server cannot be built on this machine. {why}")
-        print(f"{NAME}: skipped, llama-server cannot be built here (see stderr)")
         return 0
     return R.run_and_publish(NAME, cfg, args, lambda c: measure(c, binary), analyse, render)
 

@@ -221,10 +221,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     lines.append(R.markdown_table(headers, rows))
     lines += [
         "",
-        f"{env['cpu']}, {env['cpu_count']} cores, shared with other work: load average "
-        f"{env['loadavg_at_start'][0]:.2f} at start, {end_load:.2f} at the end. "
-        f"Commit {env['git_commit']}, {env['date_utc']}; "
-        f"`python -m bench.{NAME}`, raw numbers in `bench/results/{NAME}.json`.",
+        R.provenance(NAME, env, note=f"Load average at the end: {end_load:.2f}."),
     ]
     return "\n".join(lines)
 

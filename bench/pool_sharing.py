@@ -893,10 +893,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         ]
     foreign = [r["foreign_cpu_cores"] for r in raw["runs"]]
     lines += [
-        f"{env['cpu']}, {env['cpu_count']} cores; other processes used "
-        f"{statistics.median(foreign):.2f} cores (median, max {max(foreign):.2f}) while "
-        f"measuring. Commit {env['git_commit']}, {env['date_utc']}; `python -m "
-        f"bench.pool_sharing`, raw numbers in `bench/results/{NAME}.json`.",
+        R.provenance(NAME, env, foreign),
     ]
     return "\n".join(lines)
 

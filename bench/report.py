@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -70,6 +71,32 @@ def environment() -> dict[str, Any]:
         "llama_cpp_python": llama_version,
         "platform": platform.platform(),
     }
+
+
+def provenance(
+    name: str,
+    env: Mapping[str, Any],
+    foreign: Sequence[float] = (),
+    note: str = "",
+    command: str = "",
+) -> str:
+    """The line under a benchmark's tables: the machine and how busy it was (`foreign`: the
+    cores other processes used, per run), what ran, and how to run it again."""
+    machine = f"{env['cpu']}, {env['cpu_count']} cores"
+    if env.get("loadavg_at_start"):
+        machine += f"; load average at start {env['loadavg_at_start'][0]:.2f}"
+    if foreign:
+        machine += (
+            f"; other processes used {statistics.median(foreign):.2f} cores "
+            f"(median, max {max(foreign):.2f}) while measuring"
+        )
+    if env.get("omp_wait_policy"):
+        machine += f"; OpenMP wait policy {env['omp_wait_policy']}"
+    run = (
+        f"Commit {env['git_commit']}, {env['date_utc']}; `{command or f'python -m bench.{name}'}`, "
+        f"raw numbers in `bench/results/{name}.json`."
+    )
+    return " ".join(p for p in (machine + ".", note, run) if p)
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -301,10 +301,12 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             ],
         ),
         "",
-        f"{env['cpu']}, {env['cpu_count']} cores; other processes used "
-        f"{env.get('foreign_cores', 0):.2f} cores on average while measuring. Commit "
-        f"{env['git_commit']}, {env['date_utc']}; `python -m bench.router_overhead`, raw numbers "
-        f"in `bench/results/{NAME}.json`.",
+        R.provenance(
+            NAME,
+            env,
+            note=f"Other processes used {env.get('foreign_cores', 0):.2f} cores on average "
+            "while measuring.",
+        ),
     ]
     return "\n".join(lines)
 

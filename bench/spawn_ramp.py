@@ -851,12 +851,13 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     lines += _p7_notes(raw, res)
     foreign = [r["foreign_cpu_cores"] for r in raw["runs"]]
     lines += [
-        f"{env['cpu']}, {env['cpu_count']} cores; other processes used "
-        f"{statistics.median(foreign):.2f} cores (median, max {max(foreign):.2f}) during the "
-        f"runs. Commit {env['git_commit']}, {env['date_utc']}; `python -m bench.spawn_ramp"
-        f"{'' if cfg.reps == 3 else f' --reps {cfg.reps}'}`, "
-        f"raw numbers (every tick's decision, every 0.2 s sample) in "
-        f"`bench/results/{NAME}.json`.",
+        R.provenance(
+            NAME,
+            env,
+            foreign,
+            note="The raw numbers hold every tick's decision and every 0.2 s sample.",
+            command=f"python -m bench.{NAME}{'' if cfg.reps == 3 else f' --reps {cfg.reps}'}",
+        ),
     ]
     return "\n".join(lines)
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ import httpx
 from . import harness as H
 from . import report as R
 from .engine_client import Api
-from .upstream import llama_server_binary, llama_server_env, model_path
+from .upstream import llama_server_env, llama_server_or_skip, model_path
 
 NAME = "speculative"
 LS_MODES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
@@ -331,11 +330,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     foreign = [r["foreign_cpu_cores"] for r in raw["runs"]]
     lines += [
         "",
-        f"{env['cpu']}, {env['cpu_count']} cores; load average at start "
-        f"{env['loadavg_at_start'][0]:.2f}; other processes used "
-        f"{statistics.median(foreign) if foreign else 0:.2f} cores (median over runs). Prompt "
-        f"tokens: {raw.get('prompt_tokens')}. Commit {env['git_commit']}, {env['date_utc']}; "
-        f"`python -m bench.{NAME}`, raw numbers in `bench/results/{NAME}.json`.",
+        R.provenance(NAME, env, foreign, note=f"Prompt tokens: {raw.get('prompt_tokens')}."),
     ]
     return "\n".join(lines)
 
@@ -356,10 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.reps, cfg.n_predict = 1, 96
     if cfg.reps < 1 or cfg.n_predict < 16 or "none" not in cfg.ls_modes:
         p.error("--reps >= 1, --n-predict >= 16, --ls-modes must include none")
-    binary, why = llama_server_binary()
-    if binary is None:
-        H.progress(f"SKIPPED {NAME}: llama-server cannot be built on this machine. {why}")
-        print(f"{NAME}: skipped, llama-server cannot be built here (see stderr)")
+    if (binary := llama_server_or_skip(NAME)) is None:
         return 0
     return R.run_and_publish(NAME, cfg, args, lambda c: measure(c, binary), analyse, render)
 

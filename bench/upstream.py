@@ -48,6 +48,16 @@ def llama_server_binary() -> tuple[str | None, str]:
     return lines[-1], ""
 
 
+def llama_server_or_skip(name: str) -> str | None:
+    """The llama-server binary; None, having said why the benchmark `name` is skipped, where
+    it cannot be built here (the benchmark then exits 0 and publishes nothing)."""
+    binary, why = llama_server_binary()
+    if binary is None:
+        H.progress(f"SKIPPED {name}: llama-server cannot be built on this machine. {why}")
+        print(f"{name}: skipped, llama-server cannot be built here (see stderr)")
+    return binary
+
+
 def llama_server_env(binary: str) -> dict[str, str]:
     """Its own libraries, and its own OpenMP default (no policy of ours)."""
     return {"LD_LIBRARY_PATH": str(Path(binary).parent)}

@@ -758,11 +758,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         parts += render_decode(cfg, res["decode"])
     if res.get("shared"):
         parts += render_shared(cfg, raw, res["shared"])
-    parts.append(
-        f"{env['cpu']}, {env['cpu_count']} cores; load average at start "
-        f"{env['loadavg_at_start'][0]:.2f}. Commit {env['git_commit']}, {env['date_utc']}; "
-        f"`python -m bench.{NAME}`, raw numbers in `bench/results/{NAME}.json`."
-    )
+    parts.append(R.provenance(NAME, env))
     return "\n".join(parts)
 
 
@@ -820,10 +816,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.shared_prefix_tokens, cfg.stagger_s, cfg.answer_tokens = 400, 0.2, 8
     if cfg.reps < 1 or not 200 <= cfg.shared_prefix_tokens <= SLOT_CTX - 200:
         p.error(f"--reps must be >= 1 and --prefix-tokens in 200..{SLOT_CTX - 200}")
-    binary, why = U.llama_server_binary()
-    if binary is None:
-        H.progress(f"SKIPPED {NAME}: llama-server cannot be built on this machine. {why}")
-        print(f"{NAME}: skipped, llama-server cannot be built here (see stderr)")
+    if (binary := U.llama_server_or_skip(NAME)) is None:
         return 0
     return R.run_and_publish(
         NAME,
