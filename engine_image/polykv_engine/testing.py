@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +109,25 @@ class EngineProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+@contextlib.contextmanager
+def engine_starter(logs: Path, timeout: float = 120.0) -> Iterator[Callable[..., EngineProcess]]:
+    """`start(model, *args)` starts an engine, its log a file in `logs`; every engine started
+    is stopped when the block ends, pass or fail (test fixtures start several)."""
+    started: list[EngineProcess] = []
+
+    def start(model: Path, *args: str) -> EngineProcess:
+        eng = EngineProcess(model, list(args), log_path=logs / f"{model.stem}-{len(started)}.log")
+        started.append(eng)
+        eng.start(timeout)
+        return eng
+
+    try:
+        yield start
+    finally:
+        for eng in started:
+            eng.stop()
 
 
 @contextlib.contextmanager

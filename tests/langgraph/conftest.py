@@ -3,31 +3,22 @@ fetches), and a pool client that leaves no pool behind between tests."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from polykv_client import PolyKVClient
-from polykv_engine.testing import EngineProcess
+from polykv_engine.testing import EngineProcess, engine_starter
 
 
 @pytest.fixture(scope="session")
 def start_smol(
     smollm2: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[..., EngineProcess]]:
-    started: list[EngineProcess] = []
-    logs = tmp_path_factory.mktemp("langgraph-engines")
-
-    def start(*args: str) -> EngineProcess:
-        eng = EngineProcess(smollm2, args, log_path=logs / f"engine-{len(started)}.log")
-        eng.start(timeout=180)
-        started.append(eng)
-        return eng
-
-    yield start
-    for eng in started:
-        eng.stop()
+    with engine_starter(tmp_path_factory.mktemp("langgraph-engines"), timeout=180) as start:
+        yield functools.partial(start, smollm2)
 
 
 @pytest.fixture(scope="session")

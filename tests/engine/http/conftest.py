@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from polykv_engine.testing import EngineProcess
+from polykv_engine.testing import EngineProcess, engine_starter
 
 # f32 KV keeps batched and solo logits within ~1e-6, so greedy outputs compare exactly. Flash
 # attention is off here because ggml's CPU kernel picks its reduction by batch shape (KV split
@@ -23,20 +24,8 @@ def start_engine(
     test_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[..., EngineProcess]]:
     """Start an engine with extra CLI args; every engine started is stopped at session end."""
-    started: list[EngineProcess] = []
-    logs = tmp_path_factory.mktemp("engine-logs")
-
-    def start(*args: str) -> EngineProcess:
-        eng = EngineProcess(
-            model=test_model, args=args, log_path=logs / f"engine-{len(started)}.log"
-        )
-        eng.start()
-        started.append(eng)
-        return eng
-
-    yield start
-    for eng in started:
-        eng.stop()
+    with engine_starter(tmp_path_factory.mktemp("engine-logs")) as start:
+        yield functools.partial(start, test_model)
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +33,8 @@ def start_on(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Callable[..., EngineProcess]]:
     """Start an engine on another model file; each one is stopped at the module's end."""
-    started: list[EngineProcess] = []
-    logs = tmp_path_factory.mktemp("engines-on")
-
-    def start(model: Path, *args: str) -> EngineProcess:
-        log = logs / f"{model.stem}-{len(started)}.log"
-        eng = EngineProcess(model=model, args=list(args), log_path=log)
-        eng.start()
-        started.append(eng)
-        return eng
-
-    yield start
-    for eng in started:
-        eng.stop()
+    with engine_starter(tmp_path_factory.mktemp("engines-on")) as start:
+        yield start
 
 
 @pytest.fixture(scope="session")

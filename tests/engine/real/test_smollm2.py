@@ -4,6 +4,7 @@ streaming."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from polykv_engine.testing import EngineProcess
+from polykv_engine.testing import EngineProcess, engine_starter
 
 pytestmark = pytest.mark.real_model
 
@@ -28,18 +29,8 @@ EXACT_KV = ("-ctk", "f32", "-ctv", "f32", "-fa", "off")
 def start(
     smollm2: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[..., EngineProcess]]:
-    started: list[EngineProcess] = []
-    logs = tmp_path_factory.mktemp("real-logs")
-
-    def run(*args: str) -> EngineProcess:
-        eng = EngineProcess(smollm2, args, log_path=logs / f"engine-{len(started)}.log")
-        eng.start(timeout=180)
-        started.append(eng)
-        return eng
-
-    yield run
-    for eng in started:
-        eng.stop()
+    with engine_starter(tmp_path_factory.mktemp("real-logs"), timeout=180) as start:
+        yield functools.partial(start, smollm2)
 
 
 @pytest.fixture(scope="module")
