@@ -27,6 +27,11 @@ recorded: the machine is shared.
 
     python -m bench.long_prefix [--reps 1] [--rounds 3] [--models a,b] [--quick]
     python -m bench.long_prefix --from-json bench/results/long_prefix.json
+    python -m bench.long_prefix --models gemma-3-270m-q4_k_m --keep-models-from OLD.json
+
+One model's run takes long (the Gemma 3 rows: llama-server prefills 8 x 16k tokens), so
+``--keep-models-from`` keeps the rows of the models a run did not measure from an earlier
+results file, each said to be from that run, with its own machine, load, commit and config.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -304,6 +311,26 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def keep_models(raw: dict[str, Any], older: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with the models of `older` (a results file) it lacks: their runs, and the
+    environment, llama-server and config of the run that measured them."""
+    kept = {m: v for m, v in older["models"].items() if m not in raw["models"]}
+    for model, entry in kept.items():
+        earlier = {k: older.get(k) for k in ("env", "llama_server", "config", "polykv_patches")}
+        raw["models"][model] = {**entry, "earlier_run": entry.get("earlier_run") or earlier}
+    raw["runs"] += [r for r in older["runs"] if r["model"] in kept]
+    return raw
+
+
+def _earlier_run(model: str, earlier: dict[str, Any]) -> str:
+    c = earlier["config"]
+    return (
+        f"The {model} rows come from an earlier run ({c['reps']} cold and "
+        f"{c['reps'] * c['rounds']} resident round(s), {c['decode_tokens']}-token answers, "
+        f"llama-server {earlier['llama_server']['version']}): " + R.provenance(NAME, earlier["env"])
+    )
+
+
 def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     env, ls = raw["env"], raw["llama_server"]
     head = ["model, prefix tokens", "server", "cold first token, s",
@@ -352,6 +379,11 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             "servers alternating, the one not measured stopped (SIGSTOP).",
             "",
             R.provenance(NAME, env),
+            *[
+                f"\n{_earlier_run(m, v['earlier_run'])}"
+                for m, v in raw["models"].items()
+                if v.get("earlier_run")
+            ],
         ]
     )
 
@@ -364,9 +396,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--servers", default=",".join(SERVERS), help="the columns measured")
     p.add_argument("--prefix-scale", type=float, default=1.0, help="the prefixes, scaled")
+    p.add_argument(
+        "--keep-models-from",
+        type=Path,
+        help="a results file: the rows of its models this run lacks are kept, as its own",
+    )
     R.add_output_flags(p)
     args = p.parse_args(argv)
-    replayed = R.from_json(NAME, args, Config, analyse, render)
+    older = json.loads(args.keep_models_from.read_text()) if args.keep_models_from else None
+
+    def with_older(raw: dict[str, Any]) -> dict[str, Any]:
+        return keep_models(raw, older) if older is not None else raw
+
+    replayed = R.from_json(NAME, args, Config, analyse, render, transform=with_older)
     if replayed is not None:
         return replayed
     models = tuple(args.models.split(","))
@@ -382,7 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     binary = U.llama_server_or_skip(NAME) if "llama_server" in servers else None
     if binary is None and "llama_server" in servers:
         return 0
-    return R.run_and_publish(NAME, cfg, args, lambda c: measure(c, binary), analyse, render)
+    return R.run_and_publish(
+        NAME, cfg, args, lambda c: with_older(measure(c, binary)), analyse, render
+    )
 
 
 if __name__ == "__main__":

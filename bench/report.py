@@ -202,13 +202,16 @@ def from_json(
     analyse: Callable[[Any, dict[str, Any]], Any],
     render: Callable[[Any, dict[str, Any], Any], str],
     charts: Charts | None = None,
+    transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> int | None:
     """``--from-json FILE``: a results file this benchmark wrote, analysed and rendered again
-    (its environment and commit stay as recorded; JSON lists become the config's tuples).
-    None when the flag is absent: measure."""
+    (its environment and commit stay as recorded; JSON lists become the config's tuples;
+    `transform`, when given, may add to it first). None when the flag is absent: measure."""
     if args.from_json is None:
         return None
     data = json.loads(args.from_json.read_text())
+    if transform is not None:
+        data = transform(data)
     cfg = config(**{k: tuple(v) if isinstance(v, list) else v for k, v in data["config"].items()})
     raw = {k: v for k, v in data.items() if k not in _META}
     return republish(
