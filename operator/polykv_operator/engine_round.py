@@ -37,6 +37,7 @@ from .fleet import (
     Synced,
     boot_named,
 )
+from .names import http_url
 from .policies import PolicyNode, engine_policy, same_policy, select
 from .tree import PoolNode, PoolRequest, Problem, by_name, check, parents_first, request_body
 
@@ -72,7 +73,9 @@ class Desired:
 def client_for(
     http: httpx.AsyncClient, port: int, state: EngineState, pod: ReplicaRef
 ) -> EngineClient:
-    return EngineClient(http, f"http://{pod.ip}:{port}", state.admin_key)
+    if pod.ip is None:
+        raise ValueError(f"replica {pod.name} has no address yet")
+    return EngineClient(http, http_url(pod.ip, port), state.admin_key)
 
 
 async def poll(client: EngineClient, pod: ReplicaRef, held: Observation | None) -> Observation:
@@ -370,9 +373,7 @@ class Round:
                 found.append((pod.gate != "True", pod.name, pod.ip))
         if not found:
             return None
-        ip = min(found)[2]
-        host = f"[{ip}]" if ":" in ip else ip
-        return f"http://{host}:{self.view.spec.port}"
+        return http_url(min(found)[2], self.view.spec.port)
 
     async def _evict_one(self, obs: Observation, want: Desired) -> bool:
         """Evicts the coldest declared pool of this replica that nobody uses (not pinned, no

@@ -46,6 +46,7 @@ from typing import Any
 import yaml
 
 from .api import ADMISSION, ENGINE, GROUP, POOL, VERSION
+from .names import http_url
 
 # Deleted in this order: pools and policies need their engine to be released on it.
 WAVES: tuple[tuple[str, ...], ...] = ((POOL.plural, ADMISSION.plural), (ENGINE.plural,))
@@ -185,7 +186,7 @@ def check(
         if not ips:
             return "no running operator pod"
         try:
-            text = httpx.get(f"http://{ips[0]}:{metrics_port}/metrics", timeout=5).text
+            text = httpx.get(f"{http_url(ips[0], metrics_port)}/metrics", timeout=5).text
         except httpx.HTTPError as exc:
             return f"metrics: {exc!r}"
         return None if "polykv_operator_reconcile_total" in text else "no operator series yet"
@@ -218,7 +219,7 @@ def check(
             raise CheckFailed(f"{ref}: no replicas in status")
         port = int((engine.get("spec") or {}).get("port", 8080))
         for replica in replicas:
-            base = f"http://{replica['podIP']}:{port}"
+            base = http_url(replica["podIP"], port)
             health = httpx.get(f"{base}/health", timeout=10)
             if health.status_code != 200:
                 raise CheckFailed(f"{ref} {replica['pod']}: /health {health.status_code}")

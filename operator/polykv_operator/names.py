@@ -38,3 +38,9 @@ FLOOR_PRESSURE = "polykv_floor_pressure"
 
 DEMAND_RATIO = "polykv_session_demand_ratio"
 """An engine fleet's session demand ratio, by this name in every form it is served in."""
+
+
+def http_url(host: str, port: int) -> str:
+    """The base URL of a pod's port: an IPv6 address is bracketed (a dual-stack or IPv6-only
+    cluster gives pods addresses such as fd00::5, which a URL cannot hold bare)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -27,6 +27,7 @@ from .engine_client import EngineClient, EngineRejected, EngineUnreachable
 from .faults import crash_point
 from .fleet import EngineState, Fleet, ReplicaRef
 from .kube import Kube
+from .names import http_url
 from .tree import PoolNode, children_of
 
 log = logging.getLogger("polykv.operator.pool_release")
@@ -160,7 +161,8 @@ async def release_everywhere(
     holders = [p for p in pods if not p.terminating and p.running and p.ip]
 
     async def one(pod: ReplicaRef) -> None:
-        client = EngineClient(http, f"http://{pod.ip}:{port}", state.admin_key)
+        assert pod.ip is not None  # holders have an address
+        client = EngineClient(http, http_url(pod.ip, port), state.admin_key)
         try:
             if await client.release(name):
                 out.released.append(pod.name)

@@ -26,7 +26,8 @@ class Pod:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.ip}:{self.port}"
+        host = f"[{self.ip}]" if ":" in self.ip else self.ip  # an IPv6 pod address
+        return f"http://{host}:{self.port}"
 
 
 def pod_from_object(obj: Mapping[str, Any], default_port: int) -> Pod | None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import httpx
+
 from polykv_operator.fleet import CreateError, EngineState, Render, ReplicaRef
+from polykv_operator.names import http_url
 
 from .builders import NS
 
@@ -57,3 +60,9 @@ def test_forget_pool_drops_everything_about_it() -> None:
     st.forget_pool("u")
     assert list(st.renders) == ["keep"] and not st.create_errors
     assert st.deleting == {"u"}  # until the object is gone (the round prunes it)
+
+
+def test_a_pod_url_brackets_an_ipv6_address() -> None:
+    assert http_url("10.0.0.5", 8080) == "http://10.0.0.5:8080"
+    assert http_url("fd00::5", 8080) == "http://[fd00::5]:8080"
+    assert httpx.URL(http_url("fd00::5", 9090) + "/metrics").port == 9090

@@ -197,3 +197,9 @@ def test_a_key_is_held_as_a_fingerprint_of_every_header_that_carries_one() -> No
     fp = fingerprint({"authorization": "Bearer secret"})
     assert "secret" not in fp and len(fp) == 64
     assert credentials({"authorization": "a", "x-session-id": "s"}) == {"authorization": "a"}
+
+
+def test_an_ipv6_pods_url_is_bracketed() -> None:
+    pod = Pod("e-0", "u0", "fd00::7", 8080, ready=True, terminating=False)
+    assert pod.base_url == "http://[fd00::7]:8080"
+    assert Pod("e-1", "u1", "10.1.2.3", 8080, True, False).base_url == "http://10.1.2.3:8080"
