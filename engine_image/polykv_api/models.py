@@ -599,14 +599,26 @@ class SessionTps(BaseModel):
     )
 
 
+SessionKV = Literal["slot", "parked", "stored"]
+
+
 class SessionInfo(BaseModel):
     """``GET /polykv/sessions/{id}``: where a session's KV lives on this replica (a router
     asks every replica after a restart instead of keeping a shared table)."""
 
     session_id: str
-    boot_id: str = Field(description="changes when the engine restarts (its KV is then gone)")
-    slot: int
+    boot_id: str = Field(
+        description="changes when the engine restarts (its KV is then gone, unless the "
+        "session's cache was saved: kv says stored)"
+    )
+    slot: int | None = Field(description="the slot holding it; null while its cache is stored")
     state: Literal["idle", "prefill", "decoding"]
+    kv: SessionKV = Field(
+        "slot",
+        description="where the session's cache is: slot (in the KV cache), parked (its tail "
+        "in host memory while the slot is idle; put back at its next turn), stored (on disk, "
+        "saved by the engine process before this one at shutdown; restored at its next turn)",
+    )
     pool_id: int | None
     pool_name: str | None
     ctx_used: int

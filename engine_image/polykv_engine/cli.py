@@ -58,6 +58,7 @@ class JsonFormatter(logging.Formatter):
 # token wakes the loop), 539 at 20, 551-565 at 50, 565 at 100; the first token goes at once.
 STREAM_INTERVAL_MS = 50
 MAX_SNAPSHOT_MIB = 1 << 24  # 16 TiB: a typo's extra digits are refused, not allocated for
+MAX_SESSION_SAVE_S = 3600.0  # no grace period is longer (and nan is refused)
 
 
 def _env(name: str, default: Any) -> Any:
@@ -283,6 +284,22 @@ def build_parser() -> argparse.ArgumentParser:
         "first, and one larger than this is not written (also POLYKV_SNAPSHOT_MIB)",
     )
     p.add_argument(
+        "--polykv-session-save-mib",
+        type=int,
+        default=int(os.environ.get("POLYKV_SESSION_SAVE_MIB", 1024)),
+        help="on SIGTERM, after the drain, write up to this much of the sessions' KV caches "
+        "into the snapshot directory, most recently used first, for the next process to "
+        "restore at each session's next turn (0: none; also POLYKV_SESSION_SAVE_MIB)",
+    )
+    p.add_argument(
+        "--polykv-session-save-s",
+        type=float,
+        default=float(os.environ.get("POLYKV_SESSION_SAVE_S", 5.0)),
+        help="seconds writing sessions' caches may take after the drain; keep "
+        "--shutdown-timeout plus this under the pod's termination grace period (also "
+        "POLYKV_SESSION_SAVE_S)",
+    )
+    p.add_argument(
         "--no-polykv-pause-aware-admission",
         dest="pause_aware_admission",
         action="store_false",
@@ -472,11 +489,19 @@ def config_from_args(
         ("--polykv-kept-prefixes", args.polykv_kept_prefixes, 0),
         ("--polykv-kept-ttl-max-s", args.polykv_kept_ttl_max_s, 0),
         ("--polykv-snapshot-mib", args.polykv_snapshot_mib, 1),
+        ("--polykv-session-save-mib", args.polykv_session_save_mib, 0),
+        ("--polykv-session-save-s", args.polykv_session_save_s, 0),
     ):
         if value < low:
             parser.error(f"{name} must be >= {low}, got {value}")
-    if args.polykv_snapshot_mib > MAX_SNAPSHOT_MIB:
-        parser.error(f"--polykv-snapshot-mib must be <= {MAX_SNAPSHOT_MIB}")
+    for name, mib in (
+        ("--polykv-snapshot-mib", args.polykv_snapshot_mib),
+        ("--polykv-session-save-mib", args.polykv_session_save_mib),
+    ):
+        if mib > MAX_SNAPSHOT_MIB:
+            parser.error(f"{name} must be <= {MAX_SNAPSHOT_MIB}")
+    if not args.polykv_session_save_s <= MAX_SESSION_SAVE_S:
+        parser.error(f"--polykv-session-save-s must be <= {MAX_SESSION_SAVE_S}")
     if args.polykv_max_pools > 0 and not args.kv_unified:
         parser.error(
             "pools need a unified KV cache: llama.cpp aborts on a partial copy between the "
@@ -554,6 +579,8 @@ def config_from_args(
         park_mib=args.polykv_park_mib,
         snapshot_dir=args.polykv_snapshot_dir,
         snapshot_mib=args.polykv_snapshot_mib,
+        session_save_mib=args.polykv_session_save_mib,
+        session_save_s=args.polykv_session_save_s,
         pause_aware_admission=args.pause_aware_admission,
         admission_ceiling=args.polykv_admission_ceiling,
         prefill_budget=args.polykv_prefill_budget,

@@ -57,11 +57,7 @@ def assemble(cfg: EngineConfig, n_seq_max: int, scratch_seq: int | None, parks: 
     snapshots: SnapshotStore | None = None
     with concurrent.futures.ThreadPoolExecutor(1) as hasher:
         # The model file's digest keys its snapshots: read beside the model's load.
-        model_digest = (
-            hasher.submit(file_digest, rcfg.model_path)
-            if cfg.snapshot_dir is not None and pools_on
-            else None
-        )
+        model_digest = hasher.submit(file_digest, rcfg.model_path) if cfg.snapshots_on else None
         rt = LlamaRuntime(rcfg)
         if model_digest is not None:
             snapshots = _open_snapshots(cfg, rt, model_digest.result())

@@ -32,3 +32,12 @@ class EngineConfig:
     draft_model: Path | None = None  # -md: a smaller model of the same vocabulary
     snapshot_dir: Path | None = None  # where pools' KV snapshots are kept (None: none are)
     snapshot_mib: int = 4096  # the most the snapshot store holds
+    session_save_mib: int = 1024  # sessions' caches written there at shutdown (0: none)
+    session_save_s: float = 5.0  # how long writing them may take, after the drain
+
+    @property
+    def snapshots_on(self) -> bool:
+        """Whether the snapshot store is open: for pools, or for sessions' caches (which go
+        through a scratch sequence: one unified cache, as with pools)."""
+        sessions = self.session_save_mib > 0 and self.runtime.kv_unified
+        return self.snapshot_dir is not None and (self.max_pools > 0 or sessions)

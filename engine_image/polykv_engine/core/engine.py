@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from polykv_api.limits import MAX_GRAMMAR_STACKS
 from polykv_api.models import Reason
+from polykv_engine.core import session_snapshots
 from polykv_engine.core.assembly import assemble
 from polykv_engine.core.config import EngineConfig
 from polykv_engine.core.draft_model import DraftModel, DraftRequest
@@ -53,6 +54,7 @@ from polykv_engine.core.tasks import (
 from polykv_engine.kv.cache import KVCache
 from polykv_engine.kv.memory import Memory
 from polykv_engine.llama.runtime import Batch, LlamaError, LlamaRuntime
+from polykv_engine.persist.fileformat import KVSnapshot, SnapshotRefused
 from polykv_engine.persist.store import SnapshotStore
 from polykv_engine.policy.prefill import PrefillPacer
 from polykv_engine.policy.speculation import Speculation
@@ -65,6 +67,7 @@ from polykv_engine.policy.step_time import (
 from polykv_engine.policy.tps import ThroughputRate
 from polykv_engine.pools.manager import PoolManager
 from polykv_engine.pools.tree import PoolError
+from polykv_engine.tokens import common_prefix_len
 
 log = logging.getLogger("polykv.engine")
 
@@ -144,8 +147,7 @@ class Engine:
         """The spare sequence id that parking and pool snapshots save and load cells
         through (None: neither is on)."""
         cfg = self.cfg
-        snapshots = cfg.snapshot_dir is not None and cfg.max_pools > 0
-        return cfg.n_parallel + cfg.max_pools if self._parks or snapshots else None
+        return cfg.n_parallel + cfg.max_pools if self._parks or cfg.snapshots_on else None
 
     @property
     def n_seq_max(self) -> int:
@@ -176,9 +178,11 @@ class Engine:
         self._inbox.put(("call", (fn, fut)))
         return fut
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the engine thread; by default wait as long as writing sessions' caches may
+        take, and then some for freeing the model."""
         self._inbox.put(("stop", None))
-        self._thread.join(timeout)
+        self._thread.join(self.cfg.session_save_s + 10.0 if timeout is None else timeout)
 
     # ------------------------------------------------------------------ engine thread only
 
@@ -420,6 +424,9 @@ class Engine:
             # Another tenant's cache: never reused (what it holds would show in cache_n and
             # in the prefill time), so it goes before anything is attached or kept.
             self.slots.forget_kv(slot)
+        if task.restore is not None:
+            self._restore_session(slot, task, task.restore)
+            task.restore = None
         restored = self.slots.unpark(slot, task.prompt if task.cache_prompt else [])
         self._bump(kv_unparked_tokens=restored)
         pool = task.pool
@@ -465,6 +472,43 @@ class Engine:
             len(task.prompt),
             keep,
             task.pool.label if task.pool else None,
+        )
+
+    def _restore_session(self, slot: Slot, task: GenerateTask, snap: KVSnapshot) -> None:
+        """Load the session's cache saved by an earlier process (``core.session_snapshots``)
+        into ``slot``, when it gives the prompt more than the slot's own cache would. A
+        refusal is logged and counted: the turn is prefilled."""
+        store, scratch = self.snapshots, self._scratch_seq
+        assert store is not None and scratch is not None and snap.tokens is not None
+        store.discard(snap.key)  # used or not, it is this session's past: never read again
+        own = common_prefix_len(slot.cached, task.prompt) if slot.tenant == task.tenant else 0
+        if common_prefix_len(snap.tokens, task.prompt) <= max(own, snap.start):
+            store.session_counted(restored="unused")
+            return
+        t0 = time.perf_counter()
+        try:
+            pool = session_snapshots.restore(
+                self.slots, self.pools.tree, slot, scratch, snap, task.tenant
+            )
+        except SnapshotRefused as exc:
+            store.refused(exc.reason)
+            store.session_counted(restored="refused")
+            log.warning(
+                "slot %d: session cache not restored (%s): %s; prefilling the turn",
+                slot.slot_id,
+                exc.reason,
+                exc.message,
+            )
+            return
+        slot.pool_id = pool.pool_id if pool is not None else None
+        store.session_counted(restored="restored")
+        shared = f"{snap.start} shared with pool {pool.label}" if pool is not None else "whole"
+        log.info(
+            "slot %d: session cache restored: %d positions (%s) in %.1f ms",
+            slot.slot_id,
+            snap.end,
+            shared,
+            (time.perf_counter() - t0) * 1e3,
         )
 
     @property
@@ -915,6 +959,23 @@ class Engine:
         for task, done in answers:
             task.sink.emit(done)
 
+    def _save_sessions(self) -> None:
+        """Write the sessions' caches for the next process (``core.session_snapshots``)."""
+        cfg, store, scratch = self.cfg, self.snapshots, self._scratch_seq
+        if store is None or scratch is None or self._slots is None or cfg.session_save_mib <= 0:
+            return
+        try:
+            session_snapshots.save_all(
+                self.slots,
+                self.pools.tree,
+                store,
+                scratch,
+                cfg.session_save_mib << 20,
+                cfg.session_save_s,
+            )
+        except Exception:  # the process is ending: what was written stays, nothing else
+            log.exception("writing sessions' caches failed")
+
     def _prefill_pending(self) -> int:
         """Prompt tokens still to compute: prompts prefilling or waiting (their whole length:
         what a cache will spare is known only on a slot), and pools materializing."""
@@ -937,6 +998,7 @@ class Engine:
                 self._pools.fail_build(build, err)
         self._publish(ready=False)
         if self.snapshots is not None:
+            self._save_sessions()
             self.snapshots.close()  # the writes already handed over finish first
         for rt in (self._drafter.rt if self._drafter else None, self.runtime):
             if rt is not None:

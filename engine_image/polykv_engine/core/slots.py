@@ -26,6 +26,7 @@ from polykv_engine.kv.cache import KVCache
 from polykv_engine.kv.memory import Memory
 from polykv_engine.llama.runtime import Sampler
 from polykv_engine.llama.sampling import SamplingParams
+from polykv_engine.persist.fileformat import Span
 from polykv_engine.policy.speculation import Speculation
 from polykv_engine.policy.tps import SessionRate
 from polykv_engine.pools.tree import Pool, PoolError
@@ -210,6 +211,7 @@ class Slot:
             shared_prefix=self.shared_prefix if self.pool_id is not None else 0,
             ttft_ms=self.ttft_ms,
             n_cached=self.n_cached,
+            n_parked=len(self.parked.tokens) if self.parked is not None else 0,
             last_task_id=self.last_task_id,
             params=self.params,
             speculative=self.spec is not None,
@@ -334,6 +336,30 @@ class SlotTable:
         self.unpark(slot)
         whole = self.cells_from(slot.slot_id) == 0
         return (slot.slot_id if whole else None), list(slot.cache_tokens)
+
+    def load_saved(
+        self,
+        slot: Slot,
+        scratch: int,
+        tokens: Sequence[int],
+        spans: Sequence[Span],
+        share_from: int | None = None,
+    ) -> bool:
+        """Make the slot's cache a saved one (``core.session_snapshots``): its first
+        ``spans[0].start`` cells shared from the sequence ``share_from`` (a pool holding the
+        same tokens), then the saved cells. False (the slot then holds nothing) when
+        llama.cpp does not take them."""
+        self.forget_kv(slot)
+        start = spans[0].start if spans else len(tokens)
+        if start and share_from is not None:
+            self.kv.share(share_from, slot.slot_id, 0, start)
+            slot.cache_tokens.extend(tokens[:start])
+        for span in spans:
+            if not self.kv.load_span(slot.slot_id, scratch, span.start, span.end, span.data):
+                self.forget_kv(slot)
+                return False
+            slot.cache_tokens.extend(tokens[span.start : span.end])
+        return True
 
     def forget_kv(self, slot: Slot) -> None:
         """Drop every cell of the slot's sequence; it holds nothing afterwards."""

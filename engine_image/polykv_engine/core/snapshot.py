@@ -39,6 +39,7 @@ class SlotSnapshot:
     shared_prefix: int = 0  # leading cells that are the pool's (not this session's own)
     ttft_ms: float | None = None  # the last turn's time to first token
     n_cached: int = 0  # prompt tokens the last request reused from KV
+    n_parked: int = 0  # of ctx_used, the tokens whose cells are parked in host memory
     last_task_id: int = -1
     params: dict[str, Any] = field(default_factory=dict)  # the last request's settings
     speculative: bool = False  # the turn drafts tokens (speculative decoding)

@@ -15,6 +15,7 @@ from polykv_api.models import PoolRef, Reason
 from polykv_engine.llama.grammar import CompiledGrammar
 from polykv_engine.llama.runtime import TokenLogprobs
 from polykv_engine.llama.sampling import SamplingParams, StopParams
+from polykv_engine.persist.fileformat import KVSnapshot
 
 if TYPE_CHECKING:
     from polykv_engine.pools.tree import Pool
@@ -120,6 +121,9 @@ class GenerateTask:
     logprobs: int | None = None  # report each token's logprob and this many alternatives
     spec: SpecParams | None = None  # None: the engine's default (--spec-type)
     preserved_tokens: frozenset[int] = frozenset()  # special tokens rendered as text
+    # The session's cache as an earlier process saved it (``core.session_snapshots``), read
+    # and checked off the engine thread; loaded into its slot when the turn begins.
+    restore: KVSnapshot | None = None
     task_id: int = field(default_factory=next_task_id)
     submitted_at: float = 0.0
     # Filled in on the engine thread:

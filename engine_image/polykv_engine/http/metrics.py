@@ -314,6 +314,8 @@ class CpuCollector(Collector):
 
 REFUSALS: tuple[str, ...] = SnapshotRefusal.__args__  # type: ignore[attr-defined]
 WRITE_SKIPS = ("too_large", "busy", "disk_full", "write_failed")
+SESSION_SAVES = ("written", "over_budget", "deadline", "not_whole", "not_written")
+SESSION_RESTORES = ("restored", "refused", "unused")
 RESTORE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -340,13 +342,21 @@ class SnapshotCollector(Collector):
         for source in ("store", "peer"):
             read.add_metric([source], st.bytes_read[source])
         yield read
-        for name, doc, reasons, counts in (
-            ("refusals", "Snapshots not restored, by reason (the pool was prefilled)",
+        for name, label, doc, reasons, counts in (
+            ("snapshot_refusals", "reason",
+             "Snapshots not restored, by reason (the pool or session turn was prefilled)",
              REFUSALS, st.refusals),
-            ("writes_skipped", "Snapshots not written, by reason (serving went on)",
-             WRITE_SKIPS, st.skipped),
+            ("snapshot_writes_skipped", "reason",
+             "Snapshots not written, by reason (serving went on)", WRITE_SKIPS, st.skipped),
+            ("session_saves", "outcome",
+             "Sessions' caches at shutdown: written, or why not", SESSION_SAVES,
+             st.session_saves),
+            ("session_restores", "outcome",
+             "Saved session caches at their next turn: restored, refused (prefilled), or "
+             "unused (the prompt did not continue them)", SESSION_RESTORES,
+             st.session_restores),
         ):  # fmt: skip
-            fam = CounterMetricFamily(f"polykv_snapshot_{name}", doc, labels=["reason"])
+            fam = CounterMetricFamily(f"polykv_{name}", doc, labels=[label])
             for reason in reasons:
                 fam.add_metric([reason], counts[reason])
             yield fam

@@ -16,6 +16,7 @@ everything below this module: the engine compares them and nothing else.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
 from collections.abc import Iterable, Sequence
@@ -59,15 +60,16 @@ def parse_key_file(text: str) -> list[KeyEntry]:
 
 
 def assign_tenants(entries: Iterable[KeyEntry]) -> tuple[tuple[str, str], ...]:
-    """(key, tenant id) for every key: named tenants by name, each unnamed key its own."""
+    """(key, tenant id) for every key: named tenants by name, each unnamed key its own, named
+    by a digest of the key. Ids outlive the process (a session's saved cache is found by its
+    tenant's id), so an unnamed key's id never depends on where it is in the file: a key
+    removed or moved would otherwise hand its sessions to the key that took its place."""
     out: list[tuple[str, str]] = []
-    unnamed = 0
     for e in entries:
         if e.tenant is not None:
             out.append((e.key, f"tenant:{e.tenant}"))
         else:
-            out.append((e.key, f"key:{unnamed}"))
-            unnamed += 1
+            out.append((e.key, f"key:{hashlib.sha256(encoded(e.key)).hexdigest()[:32]}"))
     return tuple(out)
 
 

@@ -106,10 +106,21 @@ def read(path: Path, expect: SnapshotKey, max_bytes: int) -> KVSnapshot:
     return parse(memoryview(buf)[:got], expect)
 
 
-def parse(buf: memoryview, expect: SnapshotKey) -> KVSnapshot:
-    size = len(buf)
-    if size < PREAMBLE:
-        raise SnapshotRefused("truncated", f"{size} bytes: not even a header")
+def read_header(path: Path, expect: SnapshotKey) -> tuple[int, int]:
+    """The positions [start, end) a snapshot's cells cover, from its header alone, checked
+    against ``expect`` (the payload is checked only by ``read``)."""
+    with open(path, "rb") as f:
+        pre = f.read(PREAMBLE)
+        n_head = _preamble(memoryview(pre), 1 << 62)
+        buf = pre + f.read(n_head)
+    _, _, start, end, _, _ = _header(memoryview(buf), n_head, expect)
+    return start, end
+
+
+def _preamble(buf: memoryview, size: int) -> int:
+    """The header's length, once the magic is checked."""
+    if len(buf) < PREAMBLE:
+        raise SnapshotRefused("truncated", f"{len(buf)} bytes: not even a header")
     if bytes(buf[: len(MAGIC)]) != MAGIC:
         raise SnapshotRefused("corrupt", "not a PolyKV snapshot (wrong magic)")
     (n_head,) = _LEN.unpack(buf[len(MAGIC) : PREAMBLE])
@@ -117,6 +128,37 @@ def parse(buf: memoryview, expect: SnapshotKey) -> KVSnapshot:
         raise SnapshotRefused("corrupt", f"a {n_head}-byte header")
     if PREAMBLE + n_head > size:
         raise SnapshotRefused("truncated", f"the header needs {n_head} bytes, {size} in the file")
+    return int(n_head)
+
+
+def parse(buf: memoryview, expect: SnapshotKey) -> KVSnapshot:
+    size = len(buf)
+    n_head = _preamble(buf, size)
+    found, spans, start, end, digest, tokens = _header(buf, n_head, expect)
+    payload = buf[PREAMBLE + n_head :]
+    need = sum(n for _, _, n in spans)
+    if len(payload) < need:
+        raise SnapshotRefused("truncated", f"{len(payload)} payload bytes of {need}")
+    if len(payload) > need:
+        raise SnapshotRefused("corrupt", f"{len(payload) - need} bytes after the payload")
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise SnapshotRefused("corrupt", "the payload does not match its sha256")
+    out, at = [], 0
+    for a, b, n in spans:
+        out.append(Span(a, b, payload[at : at + n]))
+        at += n
+    if tokens is not None:
+        if not isinstance(tokens, list) or len(tokens) != end:
+            raise SnapshotRefused("corrupt", "its token list does not cover its positions")
+        tokens = tuple(int(t) for t in tokens)
+    return KVSnapshot(found, start, end, tuple(out), tokens, size)
+
+
+def _header(
+    buf: memoryview, n_head: int, expect: SnapshotKey
+) -> tuple[SnapshotKey, list[tuple[int, int, int]], int, int, str, Any]:
+    """The header's fields (key, spans, start, end, payload sha256, tokens), checked
+    against ``expect``."""
     try:
         head = json.loads(bytes(buf[PREAMBLE : PREAMBLE + n_head]))
         fmt, key, start, end = head["format"], head["key"], head["start"], head["end"]
@@ -135,23 +177,7 @@ def parse(buf: memoryview, expect: SnapshotKey) -> KVSnapshot:
         raise SnapshotRefused("other_build", f"snapshot format {fmt!r}, this engine reads {FORMAT}")
     _check_key(found, expect)
     _check_spans(spans, start, end)
-    payload = buf[PREAMBLE + n_head :]
-    need = sum(n for _, _, n in spans)
-    if len(payload) < need:
-        raise SnapshotRefused("truncated", f"{len(payload)} payload bytes of {need}")
-    if len(payload) > need:
-        raise SnapshotRefused("corrupt", f"{len(payload) - need} bytes after the payload")
-    if hashlib.sha256(payload).hexdigest() != digest:
-        raise SnapshotRefused("corrupt", "the payload does not match its sha256")
-    out, at = [], 0
-    for a, b, n in spans:
-        out.append(Span(a, b, payload[at : at + n]))
-        at += n
-    if tokens is not None:
-        if not isinstance(tokens, list) or len(tokens) != end:
-            raise SnapshotRefused("corrupt", "its token list does not cover its positions")
-        tokens = tuple(int(t) for t in tokens)
-    return KVSnapshot(found, int(start), int(end), tuple(out), tokens, size)
+    return found, spans, int(start), int(end), digest, tokens
 
 
 def _check_key(found: SnapshotKey, expect: SnapshotKey) -> None:

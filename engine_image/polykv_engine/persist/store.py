@@ -6,6 +6,11 @@ disk leaves no file under a snapshot's name that is not whole, and temporary lef
 removed at start. When the bound would be passed, the least recently used files go first;
 a snapshot larger than the whole bound is not written. A write that fails (disk full, I/O
 error) is counted and skipped: serving goes on, and the pool is prefilled next time.
+
+Sessions' caches (written at shutdown, ``core.session_snapshots``) are files of their own
+suffix: a session file makes room by removing older session files only, never a pool's
+(pools rebuild the whole tree; a session is one agent's context), and the peer route, which
+serves pool files by digest, never finds one.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from polykv_engine.persist.key import Fingerprint, SnapshotKey, pool_key, sessio
 log = logging.getLogger("polykv.snapshots")
 
 SUFFIX = ".pkv"
+SESSION_SUFFIX = ".pkvs"
 TEMP_PREFIX = ".incoming-"
 DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 # Bytes a snapshot may hold beyond its cells: the header, and llama.cpp's per-span and
@@ -42,6 +48,8 @@ HEADER_BYTES = 1 << 20
 MAX_PENDING_BYTES = 1 << 30  # copies waiting for the writer beyond the first one
 
 WriteSkip = str  # "too_large" | "busy" | "disk_full" | "write_failed"
+SessionSave = str  # "written" | "over_budget" | "deadline" | "not_whole" | "write_failed"
+SessionRestore = str  # "restored" | "refused" | "unused"
 
 
 def private_file(path: Path) -> BinaryIO:
@@ -58,6 +66,8 @@ class StoreStats:
     bytes_read: Counter[str] = field(default_factory=Counter)  # by source: store, peer
     skipped: Counter[str] = field(default_factory=Counter)  # writes not done, by reason
     refusals: Counter[str] = field(default_factory=Counter)  # restores refused, by reason
+    session_saves: Counter[str] = field(default_factory=Counter)  # at shutdown, by outcome
+    session_restores: Counter[str] = field(default_factory=Counter)  # by outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +78,7 @@ class _Job:
     tokens: tuple[int, ...] | None
     size: int
     done: threading.Event | None = None
+    written: list[bool] = field(default_factory=list)  # [True] once the file is in place
 
 
 class SnapshotStore:
@@ -87,6 +98,7 @@ class SnapshotStore:
         self.stats = StoreStats()
         self._lock = threading.Lock()
         self._files: dict[str, tuple[int, float]] = {}  # digest -> (bytes, last used)
+        self._sessions: set[str] = set()  # the digests in _files that are session files
         self._pending = 0
         root.mkdir(parents=True, exist_ok=True)
         self._scan()
@@ -111,9 +123,18 @@ class SnapshotStore:
         return min(self.max_bytes, cells + self._fixed + header_tokens * 12)
 
     def path(self, digest: str) -> Path:
+        """A pool snapshot's file (the only kind the peer route serves)."""
         if not DIGEST_RE.fullmatch(digest):
             raise ValueError(f"not a snapshot digest: {digest!r}")
         return self.root / f"{digest}{SUFFIX}"
+
+    def path_of(self, key: SnapshotKey) -> Path:
+        suffix = SESSION_SUFFIX if key.kind == "session" else SUFFIX
+        return self.root / f"{key.digest}{suffix}"
+
+    def _file(self, digest: str) -> Path:
+        suffix = SESSION_SUFFIX if digest in self._sessions else SUFFIX
+        return self.root / f"{digest}{suffix}"
 
     def size_of(self, digest: str) -> int | None:
         with self._lock:
@@ -130,6 +151,8 @@ class SnapshotStore:
                 Counter(st.bytes_read),
                 Counter(st.skipped),
                 Counter(st.refusals),
+                Counter(st.session_saves),
+                Counter(st.session_restores),
             )
 
     @property
@@ -147,7 +170,7 @@ class SnapshotStore:
     def load(self, key: SnapshotKey, max_bytes: int, source: str = "store") -> KVSnapshot | None:
         """The snapshot stored under ``key`` (None: there is none). A file that fails its
         checks is removed and ``SnapshotRefused`` raised, with the reason counted."""
-        path = self.path(key.digest)
+        path = self.path_of(key)
         try:
             snap = fileformat.read(path, key, max_bytes)
         except FileNotFoundError:
@@ -163,11 +186,39 @@ class SnapshotStore:
         with self._lock:
             self.stats.bytes_read[source] += snap.size
             self._files[key.digest] = (snap.size, time.time())
+            if key.kind == "session":
+                self._sessions.add(key.digest)
         return snap
 
     def refused(self, reason: str) -> None:
         with self._lock:
             self.stats.refusals[reason] += 1
+
+    def peek(self, key: SnapshotKey) -> tuple[int, int] | None:
+        """(positions, bytes) of the snapshot stored under ``key``, from its header alone
+        (None: none, or one that is not whole; its full checks come when it is loaded)."""
+        if self.size_of(key.digest) is None:
+            return None
+        try:
+            _, end = fileformat.read_header(self.path_of(key), key)
+        except (SnapshotRefused, OSError):
+            return None
+        size = self.size_of(key.digest)
+        return (end, size) if size is not None else None
+
+    def session_counted(
+        self, saved: SessionSave | None = None, restored: SessionRestore | None = None
+    ) -> None:
+        with self._lock:
+            if saved is not None:
+                self.stats.session_saves[saved] += 1
+            if restored is not None:
+                self.stats.session_restores[restored] += 1
+
+    def discard(self, key: SnapshotKey) -> None:
+        """Remove the snapshot under ``key`` (a session's, once restored: its cells are in a
+        slot now, and the next shutdown writes them again)."""
+        self._remove(key.digest)
 
     def incoming(self) -> Path:
         """A temporary path in the store for a snapshot on its way in (a peer download)."""
@@ -221,9 +272,11 @@ class SnapshotStore:
         end: int,
         tokens: Sequence[int] | None = None,
         wait: bool = False,
-    ) -> None:
+        timeout: float | None = None,
+    ) -> bool:
         """Write a snapshot on the writer thread; ``wait``: return once it is written (or
-        skipped)."""
+        skipped, or ``timeout`` passed: the writer goes on with it), True when it was
+        written."""
         size = sum(len(s.data) for s in spans)
         job = _Job(
             key,
@@ -236,8 +289,10 @@ class SnapshotStore:
         with self._lock:
             self._pending += size
         self._jobs.put(job)
-        if job.done is not None:
-            job.done.wait()
+        if job.done is None:
+            return False
+        job.done.wait(timeout)
+        return bool(job.written)
 
     def flush(self, timeout: float) -> bool:
         """Wait for the writes already handed over; False when ``timeout`` passed first."""
@@ -266,8 +321,9 @@ class SnapshotStore:
         what = f"{key.kind} {key.subject[:12]}"
         head = fileformat.header(key, job.spans, job.end, job.tokens)
         total = len(head) + job.size
+        session = key.kind == "session"
         with self._lock:
-            room = total <= self.max_bytes and self._make_room(total)
+            room = total <= self.max_bytes and self._make_room(total, sessions_only=session)
         if not room:
             self.skip("too_large", what)
             return
@@ -280,7 +336,7 @@ class SnapshotStore:
                     f.write(span.data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.path(key.digest))
+            os.replace(tmp, self.path_of(key))
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -288,8 +344,11 @@ class SnapshotStore:
             return
         with self._lock:
             self._files[key.digest] = (total, time.time())
+            if session:
+                self._sessions.add(key.digest)
             self.stats.bytes_written += total
             self.stats.files_written += 1
+        job.written.append(True)
         log.info(
             "snapshot of %s written: %d positions, %.1f MiB in %.2fs",
             what,
@@ -304,22 +363,31 @@ class SnapshotStore:
         for path in self.root.iterdir():
             if path.name.startswith(TEMP_PREFIX):
                 path.unlink(missing_ok=True)  # a write or download cut short: never whole
-            elif path.suffix == SUFFIX and DIGEST_RE.fullmatch(path.stem):
+            elif path.suffix in (SUFFIX, SESSION_SUFFIX) and DIGEST_RE.fullmatch(path.stem):
                 with contextlib.suppress(OSError):
                     st = path.stat()
                     self._files[path.stem] = (st.st_size, st.st_mtime)
+                    if path.suffix == SESSION_SUFFIX:
+                        self._sessions.add(path.stem)
 
-    def _make_room(self, need: int) -> bool:
-        """Remove least recently used files until ``need`` more bytes fit (lock held)."""
+    def _make_room(self, need: int, sessions_only: bool = False) -> bool:
+        """Remove least recently used files until ``need`` more bytes fit (lock held);
+        ``sessions_only``: session files alone may go."""
         used = sum(size for size, _ in self._files.values())
         for digest, _ in sorted(self._files.items(), key=lambda kv: kv[1][1]):
             if used + need <= self.max_bytes:
                 break
+            if sessions_only and digest not in self._sessions:
+                continue
+            path = self._file(digest)
             used -= self._files.pop(digest)[0]
-            (self.root / f"{digest}{SUFFIX}").unlink(missing_ok=True)
+            self._sessions.discard(digest)
+            path.unlink(missing_ok=True)
         return used + need <= self.max_bytes
 
     def _remove(self, digest: str) -> None:
         with self._lock:
             self._files.pop(digest, None)
-        (self.root / f"{digest}{SUFFIX}").unlink(missing_ok=True)
+            self._sessions.discard(digest)
+        for suffix in (SUFFIX, SESSION_SUFFIX):  # a file put there since the scan has no entry
+            (self.root / f"{digest}{suffix}").unlink(missing_ok=True)

@@ -195,3 +195,23 @@ def test_bad_digests_never_name_a_path() -> None:
     for digest in ("../etc/passwd", "A" * 64, "a" * 63, "a" * 64 + "/x"):
         with pytest.raises(ValueError):
             s.path(digest)
+
+
+def test_session_files_make_room_from_session_files_only(tmp_path: Path) -> None:
+    s = store(tmp_path, max_bytes=3000)
+    pool = pool_key(FP, TOKENS)
+    old, new = session_key(FP, "t", "old"), session_key(FP, "t", "new")
+    s.save(pool, SPANS, 100, wait=True)  # the oldest file
+    assert s.save(old, SPANS, 100, tokens=TOKENS, wait=True)
+    assert s.save(new, SPANS, 100, tokens=TOKENS, wait=True)  # the older session goes
+    assert s.load(old, 1 << 20) is None and s.load(pool, 1 << 20) is not None
+    assert s.path_of(new).suffix == ".pkvs" and not s.path(new.digest).exists()  # no peer sees it
+    assert s.peek(new) == (100, s.size_of(new.digest))
+    assert s.peek(session_key(FP, "other tenant", "new")) is None
+    s.discard(new)
+    assert not s.path_of(new).exists() and s.peek(new) is None
+    assert s.save(old, SPANS, 100, tokens=TOKENS, wait=True)
+    s.close()
+    s = store(tmp_path, max_bytes=3000)  # a restart finds both kinds again
+    assert s.n_files == 2 and s.peek(old) == (100, s.size_of(old.digest))
+    s.close()

@@ -44,7 +44,7 @@ from polykv_engine.core.tasks import (
     SpecParams,
     TokenEvent,
 )
-from polykv_engine.http import tracing
+from polykv_engine.http import session_restore, tracing
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.auth import identity_of
 from polykv_engine.http.errors import ApiError, body_bytes, parse
@@ -344,6 +344,8 @@ async def _gated_run(
 ) -> web.StreamResponse:
     """Admission, the engine's work and the answer: a request the drain waits for."""
     assert ctx.gate is not None
+    # Read before the gate holds anything for the task (a client gone meanwhile leaks nothing).
+    task.restore = await session_restore.saved_cache(ctx, task)
     if ctx.gate.queue_full():  # queued in the engine, or held by the gate
         raise ctx.gate.refuse_full_queue(task)
     rehomed = request.headers.get(REHOMED_HEADER, "") in ("1", "true")

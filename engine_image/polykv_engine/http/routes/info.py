@@ -21,6 +21,7 @@ from polykv_api.models import (
 from polykv_engine import __version__
 from polykv_engine.core import pool_ops
 from polykv_engine.core.snapshot import EngineSnapshot
+from polykv_engine.http import session_restore
 from polykv_engine.http.app_context import AppContext, ctx_of
 from polykv_engine.http.auth import identity_of
 from polykv_engine.http.errors import ApiError
@@ -305,18 +306,36 @@ async def session(request: web.Request) -> web.Response:
     # own key, so its key widens nothing here.
     slot = next((s for s in snap.slots if s.session_id == sid and who.sees(s.tenant)), None)
     if slot is None:
-        raise ApiError(
-            404,
-            f"session {sid!r} is not on this replica",
-            "not_found_error",
-            reason="session_not_found",
+        # Saved by the process before this one, restored at its next turn: the caller's
+        # own tenant only (a file's name is the tenant's and the id's digest).
+        stored = await session_restore.stored_length(ctx, who.tenant, sid)
+        if stored is None:
+            raise ApiError(
+                404,
+                f"session {sid!r} is not on this replica",
+                "not_found_error",
+                reason="session_not_found",
+            )
+        body = SessionInfo(
+            session_id=sid,
+            boot_id=ctx.boot_id,
+            slot=None,
+            state="idle",
+            kv="stored",
+            pool_id=None,
+            pool_name=None,
+            ctx_used=stored,
+            ctx_headroom_tokens=max(snap.n_ctx_slot - stored, 0),
+            tps_ewma=0.0,
         )
+        return web.json_response(body.model_dump())
     pool = snap.pool(slot.pool_id) if slot.pool_id is not None else None
     body = SessionInfo(
         session_id=sid,
         boot_id=ctx.boot_id,
         slot=slot.slot_id,
         state=slot.state,
+        kv="parked" if slot.n_parked else "slot",
         pool_id=slot.pool_id,
         pool_name=pool.name if pool else None,
         ctx_used=slot.ctx_used,
