@@ -76,6 +76,20 @@ class KubeError(Exception):
         self.status = status
 
 
+def retain_volume_keys(obj: Obj) -> Obj:
+    """``obj`` with ``$retainKeys`` on each volume of its pod template. A strategic merge
+    patch merges volumes by name, field by field: a volume whose source changed (a claim
+    to an emptyDir) would keep its old source beside the new one, which the API server
+    refuses; the directive drops every field the volume no longer names."""
+    template = (obj.get("spec") or {}).get("template") or {}
+    pod = template.get("spec") or {}
+    if not pod.get("volumes"):
+        return obj
+    volumes = [{**v, "$retainKeys": sorted(v)} for v in pod["volumes"]]
+    template = {**template, "spec": {**pod, "volumes": volumes}}
+    return {**obj, "spec": {**obj["spec"], "template": template}}
+
+
 class Kube:
     def __init__(self, http: httpx.AsyncClient) -> None:
         self.http = http
@@ -148,8 +162,10 @@ class Kube:
             raise ValueError(f"{seen.what} is not ours to patch")
         pinned = {**obj, "metadata": {**obj["metadata"], "resourceVersion": seen.version}}
         # Secrets are merge-patched (no strategic keys to merge in them), the rest strategic.
-        ctype = MERGE if obj["kind"] == "Secret" else STRATEGIC
-        await self._req("PATCH", f"{base}/{seen.name}", pinned, ctype)
+        if obj["kind"] == "Secret":
+            await self._req("PATCH", f"{base}/{seen.name}", pinned, MERGE)
+        else:
+            await self._req("PATCH", f"{base}/{seen.name}", retain_volume_keys(pinned), STRATEGIC)
         return "patched"
 
     async def delete_owned(self, namespace: str, api_version: str, seen: Ownership) -> bool:

@@ -197,3 +197,27 @@ def test_a_deleted_pod_restores_from_a_claim_that_outlives_it(
     got = eventually("the tree on the new pod", lambda: sources(eng, new.ip, deleted_at), 120)
     assert got == dict.fromkeys(TREE, "store")
     wait_condition(k8s_cluster, namespace, "polykvengines", "eng", "Ready")
+
+
+def test_snapshots_moved_from_a_claim_to_an_emptydir_roll_the_pod(
+    k8s_cluster: ControlPlane, namespace: str, operator: Operator, claim: str
+) -> None:
+    """A volume patched into the Deployment by name keeps the fields the new one leaves out
+    unless told otherwise: a claim and an emptyDir in one volume, refused by the API
+    server, and the engine stuck on its old pod template."""
+    engine = engine_manifest()
+    engine["spec"]["snapshots"] = {"volume": {"persistentVolumeClaim": {"claimName": claim}}}
+    apply(k8s_cluster, namespace, engine)
+    wait_condition(k8s_cluster, namespace, "polykvengines", "eng", "Ready")
+    patch = '{"spec":{"snapshots":{"volume":null}}}'
+    k8s_cluster.kubectl("patch", "polykvengine/eng", "-n", namespace, "--type=merge", "-p", patch)
+
+    def snapshot_volume() -> Obj | None:
+        path = f"/apis/apps/v1/namespaces/{namespace}/deployments/eng"
+        volumes = k8s_cluster.api.get(path)["spec"]["template"]["spec"]["volumes"]
+        vol: Obj = next(v for v in volumes if v["name"] == "snapshots")
+        return vol if "persistentVolumeClaim" not in vol else None
+
+    vol = eventually("the snapshots volume an emptyDir", snapshot_volume, 90)
+    assert set(vol) == {"name", "emptyDir"}
+    wait_condition(k8s_cluster, namespace, "polykvengines", "eng", "Ready")
