@@ -6,7 +6,8 @@
 * clients: streamed completions timed per event (``sse_events``), k requests released at
   the same instant (``run_together``), Prometheus scrapes (``scrape_metrics``);
 * statistics: repeat-and-summarise (``Summary``: median, min, max, spread);
-* noise accounting: how many cores *other* processes used while we measured (``CpuWatch``).
+* noise accounting: how many cores *other* processes used while we measured (``CpuWatch``,
+  ``TreeCpuWatch``).
 
 What the benchmarks send is in :mod:`bench.workload`, the engine's routes they call in
 :mod:`bench.engine_client`, and what they write in :mod:`bench.report`.
@@ -188,6 +189,68 @@ class CpuWatch:
         dt = max(time.monotonic() - self._t, 1e-6)
         busy = (_busy_jiffies() - self._busy) / _HZ
         own = (self._own_now() - self._own) / _HZ
+        self.own_cores = own / dt
+        self.foreign_cores = max(busy - own, 0.0) / dt
+
+
+def descendants(parents: Mapping[int, int], root: int) -> set[int]:
+    """``root`` and every process below it, from a pid -> parent pid map."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += children.get(pid, [])
+    return found
+
+
+def _process_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, CPU jiffies of the process and of its children it has reaped)."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        # After the command name: ppid is the 2nd field; utime, stime, cutime, cstime 12-15.
+        table[int(entry.name)] = (int(rest[1]), sum(int(x) for x in rest[11:15]))
+    return table
+
+
+def _tree_jiffies() -> int:
+    table = _process_table()
+    tree = descendants({pid: row[0] for pid, row in table.items()}, os.getpid())
+    return sum(table[pid][1] for pid in tree if pid in table)
+
+
+@dataclass(slots=True)
+class TreeCpuWatch:
+    """Cores used by this process and every process it started (a whole control plane and
+    the pods it runs, processes that ended meanwhile included once reaped), and by
+    everything else."""
+
+    own_cores: float = 0.0
+    foreign_cores: float = 0.0
+    own_cpu_s: float = 0.0
+    _t: float = 0.0
+    _busy: int = 0
+    _own: int = 0
+
+    def __enter__(self) -> TreeCpuWatch:
+        self._t, self._busy, self._own = time.monotonic(), _busy_jiffies(), _tree_jiffies()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dt = max(time.monotonic() - self._t, 1e-6)
+        busy = (_busy_jiffies() - self._busy) / _HZ
+        own = self.own_cpu_s = (_tree_jiffies() - self._own) / _HZ
         self.own_cores = own / dt
         self.foreign_cores = max(busy - own, 0.0) / dt
 
