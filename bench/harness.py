@@ -172,6 +172,7 @@ class CpuWatch:
     pids: Sequence[int]
     own_cores: float = 0.0
     foreign_cores: float = 0.0
+    own_cpu_s: float = 0.0
     _t: float = 0.0
     _busy: int = 0
     _own: int = 0
@@ -188,7 +189,7 @@ class CpuWatch:
     def __exit__(self, *exc: object) -> None:
         dt = max(time.monotonic() - self._t, 1e-6)
         busy = (_busy_jiffies() - self._busy) / _HZ
-        own = (self._own_now() - self._own) / _HZ
+        own = self.own_cpu_s = (self._own_now() - self._own) / _HZ
         self.own_cores = own / dt
         self.foreign_cores = max(busy - own, 0.0) / dt
 
@@ -224,35 +225,18 @@ def _process_table() -> dict[int, tuple[int, int]]:
     return table
 
 
-def _tree_jiffies() -> int:
-    table = _process_table()
-    tree = descendants({pid: row[0] for pid, row in table.items()}, os.getpid())
-    return sum(table[pid][1] for pid in tree if pid in table)
-
-
 @dataclass(slots=True)
-class TreeCpuWatch:
+class TreeCpuWatch(CpuWatch):
     """Cores used by this process and every process it started (a whole control plane and
-    the pods it runs, processes that ended meanwhile included once reaped), and by
+    the pods it runs; one that ended meanwhile counts once its parent reaped it), and by
     everything else."""
 
-    own_cores: float = 0.0
-    foreign_cores: float = 0.0
-    own_cpu_s: float = 0.0
-    _t: float = 0.0
-    _busy: int = 0
-    _own: int = 0
+    pids: Sequence[int] = ()
 
-    def __enter__(self) -> TreeCpuWatch:
-        self._t, self._busy, self._own = time.monotonic(), _busy_jiffies(), _tree_jiffies()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        dt = max(time.monotonic() - self._t, 1e-6)
-        busy = (_busy_jiffies() - self._busy) / _HZ
-        own = self.own_cpu_s = (_tree_jiffies() - self._own) / _HZ
-        self.own_cores = own / dt
-        self.foreign_cores = max(busy - own, 0.0) / dt
+    def _own_now(self) -> int:
+        table = _process_table()
+        tree = descendants({pid: row[0] for pid, row in table.items()}, os.getpid())
+        return sum(table[pid][1] for pid in tree if pid in table)
 
 
 def cpu_busy_now(seconds: float = 1.0) -> float:

@@ -18,7 +18,7 @@ through every step in turn, each step timed from the kubectl command to the new 
 * snapshots off: the rollout that turns them off, the pod deleted, a scale-up 1 -> 2 (each
   new pod prefills every pool).
 
-    python -m bench.k8s_restore [--reps 1]     # ~15 minutes a repetition on 2 idle cores
+    python -m bench.k8s_restore [--reps 1]     # four prefills of every pool a repetition
     python -m bench.k8s_restore --quick        # smoke run: short pools, no files
     python -m bench.k8s_restore --from-json bench/results/k8s_restore.json
 """
@@ -41,6 +41,7 @@ import yaml
 
 from polykv_operator.manifests import admin_key
 from polykv_testenv import ControlPlane, ProcessNode
+from polykv_testenv.claims import bind_claim
 from polykv_testenv.operator import OperatorProcess
 from polykv_testenv.waiting import wait_for
 
@@ -139,40 +140,6 @@ def pool_manifests(cfg: Config) -> list[dict[str, Any]]:
             }
         )
     return pools
-
-
-def claim_manifests() -> list[dict[str, Any]]:
-    """A claim bound to a volume, as a provisioner would leave it (this control plane runs
-    no volume controllers); the process node keeps a claim's files in a directory of its
-    own, which outlives the pods."""
-    pv = f"{NS}-{CLAIM}"
-    return [
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": pv},
-            "spec": {
-                "capacity": {"storage": "8Gi"},
-                "accessModes": ["ReadWriteOnce"],
-                "hostPath": {"path": f"/tmp/{pv}"},
-                "claimRef": {"namespace": NS, "name": CLAIM},
-            },
-        },
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {
-                "name": CLAIM,
-                "namespace": NS,
-                "annotations": {"pv.kubernetes.io/bind-completed": "yes"},
-            },
-            "spec": {
-                "accessModes": ["ReadWriteOnce"],
-                "resources": {"requests": {"storage": "8Gi"}},
-                "volumeName": pv,
-            },
-        },
-    ]
 
 
 # ------------------------------------------------------------------------ the cluster
@@ -340,11 +307,7 @@ def measure(cfg: Config) -> dict[str, Any]:
                 for crd in ("polykvengines", "polykvpools", "admissionpolicies"):
                     cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}.polykv.io")
                 cluster.kubectl("create", "namespace", NS)
-                for obj in claim_manifests():
-                    cluster.apply(obj)
-                unprotected = ("-p", '{"metadata":{"finalizers":null}}', "--type=merge")
-                cluster.kubectl("patch", "pv", f"{NS}-{CLAIM}", *unprotected)
-                cluster.kubectl("patch", "pvc", CLAIM, "-n", NS, *unprotected)
+                bind_claim(cluster, NS, CLAIM, "8Gi")
                 env = {
                     "POLYKV_OPERATOR_MASTER_KEY": MASTER,
                     "POLYKV_OPERATOR_POLL_INTERVAL": str(cfg.poll_interval_s),

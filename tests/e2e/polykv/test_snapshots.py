@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from polykv_testenv import ControlPlane, ProcessNode
+from polykv_testenv.claims import bind_claim
 
 from ..helpers import Obj, eventually
 from .test_operator import (
@@ -140,43 +141,10 @@ def test_a_rollout_fills_the_new_pod_from_the_old_one(
 
 @pytest.fixture
 def claim(k8s_cluster: ControlPlane, namespace: str) -> Iterator[str]:
-    """A claim bound to a volume, as a provisioner would leave it: this control plane runs
-    no volume controllers, so the binding is written, and their finalizers left out (nothing
-    would remove them). The process node keeps a claim's files in a directory of its own."""
-    pv, pvc = f"snaps-{namespace}", "snaps"
-    k8s_cluster.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": pv},
-            "spec": {
-                "capacity": {"storage": "1Gi"},
-                "accessModes": ["ReadWriteOnce"],
-                "hostPath": {"path": f"/tmp/{pv}"},
-                "claimRef": {"namespace": namespace, "name": pvc},
-            },
-        }
-    )
-    k8s_cluster.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {
-                "name": pvc,
-                "annotations": {"pv.kubernetes.io/bind-completed": "yes"},
-            },
-            "spec": {
-                "accessModes": ["ReadWriteOnce"],
-                "resources": {"requests": {"storage": "1Gi"}},
-                "volumeName": pv,
-            },
-        },
-        namespace,
-    )
-    unprotected = ("-p", '{"metadata":{"finalizers":null}}', "--type=merge")
-    k8s_cluster.kubectl("patch", "pv", pv, *unprotected)
-    k8s_cluster.kubectl("patch", "pvc", pvc, "-n", namespace, *unprotected)
-    yield pvc
+    """A claim bound to a volume of its own; the process node keeps its files in a
+    directory that outlives the pods."""
+    pv = bind_claim(k8s_cluster, namespace, "snaps")
+    yield "snaps"
     k8s_cluster.kubectl("delete", "pv", pv, "--wait=false", check=False)
 
 
