@@ -224,9 +224,9 @@ class Router:
                 why = "draining" if outcome.refusal.status == 503 else "lost"
             else:
                 why = "unreachable"
-            return await self._rehome(request, body, session, pool, b.replica, why, None)
+            return await self._rehome(request, body, session, creds, pool, b.replica, why, None)
         assert why is not None
-        return await self._rehome(request, body, session, pool, b.replica, why, t0)
+        return await self._rehome(request, body, session, creds, pool, b.replica, why, t0)
 
     async def _restarted(
         self, r: Replica, session: str, creds: dict[str, str], b: Binding
@@ -247,6 +247,7 @@ class Router:
         request: web.Request,
         body: bytes,
         session: SessionKey,
+        creds: dict[str, str],
         pool: str | None,
         old: str,
         why: str,
@@ -256,6 +257,12 @@ class Router:
         if pool is not None:
             await self.poller.warm(pool, self.cfg.lookup_timeout_s)
         order = self._rank(pool, gated=False, avoid=old)
+        # A replica may hold the session's cache already: saved by the old process at its
+        # shutdown, in a snapshot directory the replica reads (a claim the new pod mounts).
+        holder = await self._lookup(session, creds, pool)
+        if holder is not None and holder.replica in order:
+            order.remove(holder.replica)
+            order.insert(0, holder.replica)
         if t0 is not None:
             self._observe("rehome", t0)
         relayed, refusals, _ = await self._attempts(

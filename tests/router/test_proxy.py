@@ -313,6 +313,28 @@ def test_a_restarted_engine_rehomes_its_sessions(
     assert total(metrics(router.base_url), "polykv_router_rehomes_total", reason="restarted") == 1
 
 
+def test_a_session_saved_at_shutdown_follows_its_cache(
+    start_fleet: StartFleet, start_router: StartRouter, tmp_path: Path
+) -> None:
+    """Engine a's session cache is written on SIGTERM to a directory c reads too (a claim a
+    new pod mounts): its next turn goes to c, which restores it, not to b (first by name)."""
+    shared = ("--polykv-snapshot-dir", str(tmp_path / "shared-store"))
+    engines = {**start_fleet("a", args=shared), **start_fleet("b"), **start_fleet("c", args=shared)}
+    router = start_router(urls(engines))
+    rc = client(router.base_url)
+    first = turn(rc, "s1", None, "step 1")
+    assert first.headers["x-polykv-replica"] == "a"
+    assert engines["a"].stop() == 0  # SIGTERM: the session's cache is written
+    r = turn(rc, "s1", None, "step 1 step 2")
+    assert r.status_code == 200, r.text
+    assert r.headers["x-polykv-replica"] == "c"
+    assert r.json()["timings"]["cache_n"] >= first.json()["tokens_evaluated"]
+    assert total(metrics(engines["c"].base_url), "polykv_session_restores_total",
+                 outcome="restored") == 1  # fmt: skip
+    text = metrics(router.base_url)
+    assert total(text, "polykv_router_rehomes_total", reason="unreachable") == 1
+
+
 def test_a_restarted_router_finds_each_session_on_its_replica(
     start_fleet: StartFleet, start_router: StartRouter
 ) -> None:

@@ -30,7 +30,7 @@ async def saved_cache(ctx: AppContext, task: GenerateTask) -> KVSnapshot | None:
     if store is None or sid is None or not task.cache_prompt or _held(ctx, task.tenant, sid):
         return None
     key = store.session_key(task.tenant, sid)
-    if store.size_of(key.digest) is None:
+    if await asyncio.to_thread(store.find, key) is None:
         return None
     n_ctx = ctx.engine.snapshot.n_ctx_slot
     n_swa = ctx.engine.runtime.info.n_swa if ctx.engine.runtime is not None else 0
@@ -47,8 +47,5 @@ async def stored_length(ctx: AppContext, tenant: str, session_id: str) -> int | 
     store = ctx.engine.snapshots
     if store is None:
         return None
-    key = store.session_key(tenant, session_id)
-    if store.size_of(key.digest) is None:
-        return None
-    found = await asyncio.to_thread(store.peek, key)
+    found = await asyncio.to_thread(store.peek, store.session_key(tenant, session_id))
     return found[0] if found is not None else None

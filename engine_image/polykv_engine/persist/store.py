@@ -194,10 +194,27 @@ class SnapshotStore:
         with self._lock:
             self.stats.refusals[reason] += 1
 
+    def find(self, key: SnapshotKey) -> int | None:
+        """Bytes of the snapshot under ``key`` (None: there is none): from the index, else
+        from the directory, which another process sharing it may have written to since
+        this one's scan (an old pod's sessions, saved at its shutdown). May block on I/O."""
+        size = self.size_of(key.digest)
+        if size is not None:
+            return size
+        try:
+            st = self.path_of(key).stat()
+        except OSError:
+            return None
+        with self._lock:
+            self._files[key.digest] = (st.st_size, st.st_mtime)
+            if key.kind == "session":
+                self._sessions.add(key.digest)
+        return st.st_size
+
     def peek(self, key: SnapshotKey) -> tuple[int, int] | None:
         """(positions, bytes) of the snapshot stored under ``key``, from its header alone
         (None: none, or one that is not whole; its full checks come when it is loaded)."""
-        if self.size_of(key.digest) is None:
+        if self.find(key) is None:
             return None
         try:
             _, end = fileformat.read_header(self.path_of(key), key)

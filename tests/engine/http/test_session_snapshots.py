@@ -21,6 +21,7 @@ import pytest
 
 from polykv_engine.testing import EngineProcess
 
+from .conftest import DETERMINISTIC
 from .pool_helpers import ADMIN, check_accounting
 from .test_snapshots import POOLS, ROOT_LEN, boot, client, copy_of, create, metric
 
@@ -206,3 +207,29 @@ def test_the_byte_budget_and_the_deadline_bound_what_is_written(
         else:
             assert "not written: the deadline passed" in log, eng.log_tail()
             assert not session_files(store)
+
+
+@pytest.mark.parametrize("kind", ["swa", "mamba", "jamba"])
+def test_sliding_window_and_recurrent_sessions_continue_after_a_restart(
+    start_on: Callable[..., EngineProcess],
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    kind: str,
+) -> None:
+    """A sliding-window session is saved a window at a time (llama.cpp's writer would leave
+    out the cells its last token no longer sees); a recurrent one with its state at the end."""
+    model = request.getfixturevalue(f"{kind}_model")
+    args = ("-np", "2", "-c", "2048", "--polykv-admin-key", "admin-key", "--metrics",
+            "--polykv-snapshot-dir", str(tmp_path / "store"), *DETERMINISTIC)  # fmt: skip
+    first = start_on(model, *args)
+    prompt = [(i * 389) % 900 + 5 for i in range(300)]
+    with client(first) as c:
+        nxt = prompt + turn(c, ADMIN, prompt, "s", False)["tokens"] + NEXT
+    assert first.stop(timeout=120) == 0
+    assert len(session_files(tmp_path / "store")) == 1
+    again = start_on(model, *args)
+    with client(again) as c:
+        done = turn(c, ADMIN, nxt, "s", False)
+        assert done["timings"]["cache_n"] >= len(prompt)
+        assert done["tokens"] == cold(c, nxt)
+        assert metric(c, 'polykv_session_restores_total{outcome="restored"}') == 1

@@ -215,3 +215,15 @@ def test_session_files_make_room_from_session_files_only(tmp_path: Path) -> None
     s = store(tmp_path, max_bytes=3000)  # a restart finds both kinds again
     assert s.n_files == 2 and s.peek(old) == (100, s.size_of(old.digest))
     s.close()
+
+
+def test_a_session_file_another_process_wrote_since_the_scan_is_found(tmp_path: Path) -> None:
+    reader, writer = store(tmp_path), store(tmp_path)  # two processes on one directory
+    key = session_key(FP, "t", "s")
+    assert writer.save(key, SPANS, 100, tokens=TOKENS, wait=True)
+    assert reader.size_of(key.digest) is None  # not in its index
+    assert reader.find(key) == writer.size_of(key.digest)
+    snap = reader.load(key, 1 << 20)
+    assert snap is not None and snap.tokens == tuple(TOKENS)
+    reader.close()
+    writer.close()
