@@ -125,6 +125,7 @@ def engine_args(spec: PolyKVEngineSpec) -> list[str]:
         args += [
             "--polykv-snapshot-dir", SNAPSHOT_DIR,
             "--polykv-snapshot-mib", str(spec.snapshots.size_mib),
+            "--polykv-session-save-mib", str(spec.snapshots.sessions_mib),
         ]  # fmt: skip
     return args + list(spec.extra_args or [])
 

@@ -93,15 +93,18 @@ def test_snapshots_default_to_an_emptydir_with_room_for_a_file_on_its_way_in() -
     args, volume, mount = _snapshot_parts({})
     assert args[args.index("--polykv-snapshot-dir") + 1] == manifests.SNAPSHOT_DIR
     assert args[args.index("--polykv-snapshot-mib") + 1] == "4096"
+    assert args[args.index("--polykv-session-save-mib") + 1] == "1024"
     assert volume == {"name": "snapshots", "emptyDir": {"sizeLimit": "8192Mi"}}
     assert mount == {"name": "snapshots", "mountPath": manifests.SNAPSHOT_DIR}  # writable
 
 
 def test_snapshots_on_a_claim_or_off() -> None:
     claim = {"persistentVolumeClaim": {"claimName": "polykv-snapshots"}}
-    args, volume, _ = _snapshot_parts({"snapshots": {"volume": claim, "sizeMib": 100}})
+    spec = {"volume": claim, "sizeMib": 100, "sessionsMib": 0}
+    args, volume, _ = _snapshot_parts({"snapshots": spec})
     assert volume == {"name": "snapshots", **claim}
     assert args[args.index("--polykv-snapshot-mib") + 1] == "100"
+    assert args[args.index("--polykv-session-save-mib") + 1] == "0"
     args, volume, mount = _snapshot_parts({"snapshots": {"enabled": False}})
     assert "--polykv-snapshot-dir" not in args and volume is None and mount is None
 

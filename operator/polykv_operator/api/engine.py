@@ -62,6 +62,10 @@ class SnapshotSpec(KubeModel):
     """The most each replica keeps (--polykv-snapshot-mib), least recently used first out;
     an emptyDir gets twice this as its sizeLimit (a file on its way in is counted once it
     is whole)."""
+    sessions_mib: int = Field(1024, ge=0, le=MAX_SNAPSHOT_MIB)
+    """Sessions' KV caches written at shutdown, within the store (--polykv-session-save-mib;
+    0: none): a session's next turn on a replica that reads this volume restores its
+    context. An emptyDir keeps them across a container restart; a claim across a rollout."""
     volume: dict[str, Any] | None = None
     """A Kubernetes volume source for the snapshots, e.g. {persistentVolumeClaim: {claimName:
     polykv-snapshots}}: a claim outlives the pod (a pod deleted or rolled restores from it),
