@@ -110,3 +110,32 @@ def _save(fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
+
+
+def tps_against_floor(
+    series: Mapping[str, Sequence[Sequence[Any]]], floor: float, path: Path, title: str
+) -> list[Path]:
+    """Mean tokens/s of the sessions decoding over a run, one panel per server, against the
+    floor; how many decode beneath. ``series``: label -> [(t, mean or None, n decoding)]."""
+    if not series:
+        return []
+    fig, axes = plt.subplots(
+        len(series), 1, figsize=(9, 2.4 * len(series)), sharex=True, squeeze=False
+    )
+    top = max((s[1] for pts in series.values() for s in pts if s[1] is not None), default=floor)
+    for ax, (label, pts) in zip(axes[:, 0], series.items(), strict=True):
+        t = [s[0] for s in pts]
+        mean = [s[1] if s[1] is not None else float("nan") for s in pts]
+        ax.plot(t, mean, lw=1.0, color="tab:blue", label="mean tok/s, sessions decoding")
+        ax.axhline(floor, color="tab:red", lw=1.0, ls="--", label=f"floor {floor:g} tok/s")
+        ax.set_ylim(0, top * 1.05)
+        ax.set_ylabel("tok/s")
+        ax.set_title(label, fontsize=9, loc="left")
+        twin = ax.twinx()
+        twin.step(t, [s[2] for s in pts], where="post", color="tab:gray", lw=0.8, alpha=0.6)
+        twin.set_ylabel("decoding", color="tab:gray")
+        twin.set_ylim(0, max((s[2] for s in pts), default=1) + 1)
+    axes[0, 0].legend(loc="upper right", fontsize=8)
+    axes[-1, 0].set_xlabel("seconds into the run")
+    fig.suptitle(title, fontsize=9)
+    return [_save(fig, path)]

@@ -27,6 +27,7 @@ BENCHMARKS = (
     "long_prefix",
     "speculative",
     "pool_restore",
+    "agent_crew",
 )
 
 
