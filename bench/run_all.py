@@ -28,6 +28,7 @@ BENCHMARKS = (
     "speculative",
     "pool_restore",
     "agent_crew",
+    "session_restore",
 )
 
 

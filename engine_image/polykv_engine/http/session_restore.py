@@ -9,13 +9,10 @@ counted with its reason, and the turn is prefilled.
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from polykv_engine.core.tasks import GenerateTask
 from polykv_engine.http.app_context import AppContext
 from polykv_engine.persist.fileformat import KVSnapshot, SnapshotRefused
-
-log = logging.getLogger("polykv.sessions")
 
 
 def _held(ctx: AppContext, tenant: str, session_id: str) -> bool:
