@@ -189,3 +189,36 @@ def test_snapshots_moved_from_a_claim_to_an_emptydir_roll_the_pod(
     vol = eventually("the snapshots volume an emptyDir", snapshot_volume, 90)
     assert set(vol) == {"name", "emptyDir"}
     wait_condition(k8s_cluster, namespace, "polykvengines", "eng", "Ready")
+
+
+def test_a_sessions_context_outlives_its_deleted_pod_on_a_claim(
+    k8s_cluster: ControlPlane, namespace: str, operator: Operator, claim: str
+) -> None:
+    """A session's cache is written at SIGTERM into the claim; the new pod restores it at
+    the session's next turn, on the pool the operator re-created from its own snapshot."""
+    engine = engine_manifest()
+    engine["spec"]["snapshots"] = {
+        "volume": {"persistentVolumeClaim": {"claimName": claim}},
+        "sizeMib": 64,
+    }
+    eng = ready_tree(k8s_cluster, namespace, engine)
+    (rep,) = replicas(k8s_cluster, namespace)
+    eventually("snapshots written", lambda: written(eng, rep.ip, len(TREE)), 60)
+    headers = {**eng.headers, "x-session-id": "agent-7"}
+    prompt = [(i * 389) % 900 + 5 for i in range(160)]
+
+    def turn(ip: str, tokens: list[int]) -> Obj:
+        body = {"prompt": tokens, "n_predict": 6, "temperature": 0}
+        r = httpx.post(f"http://{ip}:8080/completion", json=body, headers=headers, timeout=120)
+        assert r.status_code == 200, r.text
+        out: Obj = r.json()
+        return out
+
+    nxt = prompt + turn(rep.ip, prompt)["tokens"] + [11, 12, 13]
+    deleted_at = time.time()
+    k8s_cluster.kubectl("delete", "pod", rep.pod, "-n", namespace, "--wait=false")
+    new = eventually("a new pod", lambda: other_replica(k8s_cluster, namespace, rep), 120)
+    eventually("the tree on the new pod", lambda: sources(eng, new.ip, deleted_at), 120)
+    r = httpx.get(f"http://{new.ip}:8080/polykv/sessions/agent-7", headers=headers, timeout=10)
+    assert r.status_code == 200 and r.json()["kv"] == "stored", r.text
+    assert turn(new.ip, nxt)["timings"]["cache_n"] >= len(prompt)
