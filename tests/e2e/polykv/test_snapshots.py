@@ -148,17 +148,23 @@ def claim(k8s_cluster: ControlPlane, namespace: str) -> Iterator[str]:
     k8s_cluster.kubectl("delete", "pv", pv, "--wait=false", check=False)
 
 
-def test_a_deleted_pod_restores_from_a_claim_that_outlives_it(
-    k8s_cluster: ControlPlane, namespace: str, operator: Operator, claim: str
-) -> None:
+def tree_on_claim(cluster: ControlPlane, namespace: str, claim: str) -> tuple[EngineApi, Replica]:
+    """One engine replica keeping its snapshots on ``claim``, its tree Ready and written."""
     engine = engine_manifest()
     engine["spec"]["snapshots"] = {
         "volume": {"persistentVolumeClaim": {"claimName": claim}},
         "sizeMib": 64,
     }
-    eng = ready_tree(k8s_cluster, namespace, engine)
-    (rep,) = replicas(k8s_cluster, namespace)
+    eng = ready_tree(cluster, namespace, engine)
+    (rep,) = replicas(cluster, namespace)
     eventually("snapshots written", lambda: written(eng, rep.ip, len(TREE)), 60)
+    return eng, rep
+
+
+def test_a_deleted_pod_restores_from_a_claim_that_outlives_it(
+    k8s_cluster: ControlPlane, namespace: str, operator: Operator, claim: str
+) -> None:
+    eng, rep = tree_on_claim(k8s_cluster, namespace, claim)
     deleted_at = time.time()
     k8s_cluster.kubectl("delete", "pod", rep.pod, "-n", namespace, "--wait=false")
     new = eventually("a new pod", lambda: other_replica(k8s_cluster, namespace, rep), 120)
@@ -195,15 +201,8 @@ def test_a_sessions_context_outlives_its_deleted_pod_on_a_claim(
     k8s_cluster: ControlPlane, namespace: str, operator: Operator, claim: str
 ) -> None:
     """A session's cache is written at SIGTERM into the claim; the new pod restores it at
-    the session's next turn, on the pool the operator re-created from its own snapshot."""
-    engine = engine_manifest()
-    engine["spec"]["snapshots"] = {
-        "volume": {"persistentVolumeClaim": {"claimName": claim}},
-        "sizeMib": 64,
-    }
-    eng = ready_tree(k8s_cluster, namespace, engine)
-    (rep,) = replicas(k8s_cluster, namespace)
-    eventually("snapshots written", lambda: written(eng, rep.ip, len(TREE)), 60)
+    the session's next turn."""
+    eng, rep = tree_on_claim(k8s_cluster, namespace, claim)
     headers = {**eng.headers, "x-session-id": "agent-7"}
     prompt = [(i * 389) % 900 + 5 for i in range(160)]
 
