@@ -25,6 +25,7 @@ BENCHMARKS = (
     "vs_llama_server",
     "newcomer_prefill",
     "long_prefix",
+    "unified_attention",
     "speculative",
     "pool_restore",
     "agent_crew",
