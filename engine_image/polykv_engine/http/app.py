@@ -2,7 +2,8 @@
 
 Graceful shutdown on SIGTERM/SIGINT: /health turns 503 at once (readiness fails, the
 Service stops routing here), new requests get 503 + Retry-After, in-flight requests get up
-to ``shutdown_timeout_s`` to finish, then the engine thread frees the model.
+to ``shutdown_timeout_s`` to finish, then the engine thread writes the sessions' caches
+(``core.session_snapshots``, within its own deadline) and frees the model.
 """
 
 from __future__ import annotations
