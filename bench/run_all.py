@@ -30,6 +30,7 @@ BENCHMARKS = (
     "pool_restore",
     "agent_crew",
     "session_restore",
+    "k8s_restore",
 )
 
 
