@@ -93,6 +93,9 @@ def one_case(cfg: Config, model_name: str, n_tokens: int, rep: int) -> dict[str,
             api = Api(client, eng.base_url, eng.proc.pid)
             ask(api, nxt[:8], 1, None)  # a first decode's one-off costs, paid by neither
             restored, out["restored_s"] = ask(api, nxt, 1, SESSION)
+            # The turn after, in the now warm process: what a turn costs with its cache in
+            # place all along (the restored one also pays this process's first long decode).
+            _, out["warm_s"] = ask(api, nxt + restored["tokens"] + nxt[-3:], 1, SESSION)
             cold, out["prefill_s"] = ask(api, nxt, 1, None)
     out["cache_n"] = restored["timings"]["cache_n"]
     # The engine's own part: from the turn holding its slot to its first token.
@@ -129,7 +132,7 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
             continue
         row: dict[str, Any] = {
             k: H.summarize([r[k] for r in runs]).as_dict()
-            for k in ("save_s", "restored_s", "prefill_s", "cache_n")
+            for k in ("save_s", "restored_s", "warm_s", "prefill_s", "cache_n")
         }
         row["file_mib"] = H.summarize([r["file_bytes"] / 2**20 for r in runs]).as_dict()
         row["ratio"] = H.summarize([r["prefill_s"] / r["restored_s"] for r in runs]).as_dict()
@@ -148,18 +151,20 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         "the same snapshot directory runs the session's next turn (*restored*: the file read "
         "and checked, its cells loaded into the session's slot, the new question prefilled) "
         "and the same prompt cold (*prefill*), one token each, from the request to the "
-        f"answer. *Same token*: runs whose two answers agree. The restored cells are the old "
-        "process's own, so its answer is the one the old process would have given; a cold "
-        "prefill computes the prompt in other batch shapes, and quantized matmuls and flash "
-        "attention sum in an order that follows the shape, so a near-tie can differ (on F32 "
-        "weights with f32 KV and `-fa off` they agree: "
-        "`tests/engine/http/test_session_snapshots.py`). Median (min–max) "
-        f"of {cfg.reps} repetitions; `-np 1 -t {cfg.threads}`, f16 KV, flash attention (the "
-        "engine's defaults).",
+        "answer; *warm*: the session's turn after that, its cache in place, as in a process "
+        "that never restarted (the restored turn also pays the new process's first decode "
+        "over a long context). *Same token*: runs whose two answers agree. The restored cells"
+        " are the old process's own, so its answer is the one the old process would have "
+        "given; a cold prefill computes the prompt in other batch shapes, and quantized "
+        "matmuls and flash attention sum in an order that follows the shape, so a near-tie "
+        "can differ (on F32 weights with f32 KV and `-fa off` they agree: "
+        f"`tests/engine/http/test_session_snapshots.py`). Median (min–max) of {cfg.reps} "
+        f"repetitions; `-np 1 -t {cfg.threads}`, f16 KV, flash attention (the engine's "
+        "defaults).",
         "",
     ]
     headers = ["model, session tokens", "file", "save", "next turn: prefill", "restored", "÷",
-               "tokens reused", "same token"]  # fmt: skip
+               "warm", "tokens reused", "same token"]  # fmt: skip
     rows = []
     for model, tokens in cfg.cases:
         row = res.get(f"{model}/{tokens}")
@@ -173,6 +178,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
                 R.fmt(row["prefill_s"], 1, 1, " s"),
                 R.fmt(row["restored_s"], 2, 1, " s"),
                 R.fmt(row["ratio"], 0, 1, "×"),
+                R.fmt(row.get("warm_s"), 2, 1, " s"),
                 R.fmt(row["cache_n"]),
                 row["same_token"],
             ]
