@@ -35,7 +35,7 @@ wall time; each session's time under the floor (seconds in inter-token gaps long
 floor period, see ``bench.agent_timeline``); the largest inter-token gap; first-token time per
 turn; KV cells in use (peak over the rounds; llama-server: the tokens its slots hold).
 
-    python -m bench.agent_crew [--reps 3] [--rounds 6] [--model gemma-3-270m-q4_k_m] [--quick]
+    python -m bench.agent_crew [--reps 2] [--rounds 6] [--model gemma-3-270m-q4_k_m] [--quick]
     python -m bench.agent_crew --from-json bench/results/agent_crew.json
 """
 
@@ -105,7 +105,7 @@ PARTS = ("limiter", "notes API", "storage", "config", "metrics", "auth", "docs",
 
 @dataclass
 class Config:
-    reps: int = 3
+    reps: int = 2
     model: str = "smollm2-135m-instruct-q4_1"
     workers: int = 8
     rounds: int = 6
