@@ -35,7 +35,7 @@ wall time; each session's time under the floor (seconds in inter-token gaps long
 floor period, see ``bench.agent_timeline``); the largest inter-token gap; first-token time per
 turn; KV cells in use (peak over the rounds; llama-server: the tokens its slots hold).
 
-    python -m bench.agent_crew [--reps 2] [--rounds 6] [--model gemma-3-270m-q4_k_m] [--quick]
+    python -m bench.agent_crew [--reps 2] [--rounds 4] [--model gemma-3-270m-q4_k_m] [--quick]
     python -m bench.agent_crew --from-json bench/results/agent_crew.json
 """
 
@@ -108,7 +108,7 @@ class Config:
     reps: int = 2
     model: str = "smollm2-135m-instruct-q4_1"
     workers: int = 8
-    rounds: int = 6
+    rounds: int = 4
     floor_tps: float = 5.0
     notes_words: int = 800  # the project notes in the shared system prompt
     tool_words: tuple[int, int] = (60, 160)  # a tool result's length, drawn per (round, worker)
@@ -117,7 +117,7 @@ class Config:
     call_tokens: int = 40
     answer_tokens: int = 24
     summary_tokens: int = 40
-    compact_budget: int = 600  # tokens past the first prompt before a history is summarised
+    compact_budget: int = 500  # tokens past the first prompt before a history is summarised
     slot_ctx: int = 3072  # per agent; -c is this times the slots
     threads: int = 2
     flash_attn: str = "on"
