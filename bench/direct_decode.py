@@ -89,7 +89,10 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 dt = decode(k)
                 if step >= args.warm:
                     times.append(dt)
-            out[str(k)] = 1e3 * statistics.median(times)
+            # mean: total time over the steps, as a server's rate over a stream counts it
+            out[str(k)] = 1e3 * (statistics.mean if args.stat == "mean" else statistics.median)(
+                times
+            )
     finally:
         C.llama_batch_free(batch)
         C.llama_free(ctx)
@@ -106,13 +109,15 @@ def direct_decode_ms(
     n_seq_max: int = 24,
     prompt: int = 40,
     steps: int = 24,
+    stat: str = "median",
 ) -> dict[int, float]:
-    """Median ms per ``llama_decode`` of k one-token sequences, for each k (child process)."""
+    """Median (or mean) ms per ``llama_decode`` of k one-token sequences, for each k (child
+    process)."""
     argv = [
         *(sys.executable, "-m", "bench.direct_decode", str(model)),
         *("--levels", ",".join(map(str, levels)), "--threads", str(threads), "--fa", fa),
         *("--ctx", str(ctx), "--n-seq-max", str(n_seq_max), "--prompt", str(prompt)),
-        *("--steps", str(steps)),
+        *("--steps", str(steps), "--stat", stat),
     ]
     proc = subprocess.run(
         argv, cwd=H.REPO_ROOT, capture_output=True, text=True, env={**os.environ, **H.SERVER_ENV}
@@ -133,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=40, help="prompt tokens per sequence")
     p.add_argument("--warm", type=int, default=4, help="untimed steps first")
     p.add_argument("--steps", type=int, default=24, help="timed steps per level")
+    p.add_argument("--stat", choices=["median", "mean"], default="median", help="per step")
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",")]
     print(json.dumps(_measure(args)))

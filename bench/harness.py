@@ -46,9 +46,10 @@ RESULTS_DIR = REPO_ROOT / "bench" / "results"
 MODEL_ENV = "POLYKV_BENCH_MODEL"
 DEFAULT_MODEL = REPO_ROOT / "models" / "polykv-bench.gguf"
 
-# Both servers under test load the same libllama; give its OpenMP runtime the same policy:
+# The servers under test each load a libllama of one llama.cpp tree (the wheel's patched, or
+# a llama-server build); give their OpenMP runtimes the same policy:
 # the one the engine ships with (or the one POLYKV_OMP_WAIT_POLICY names, as for the engine),
-# resolved for this machine's CPUs (bench/vs_llama_server.py measures the others).
+# resolved for this machine's CPUs (bench/vs_llama_server.py gives it to every column).
 SERVER_ENV: dict[str, str] = {}
 OMP_CHOICE = apply_omp_policy(SERVER_ENV, os.environ.get(OMP_ENV))
 

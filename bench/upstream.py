@@ -1,14 +1,18 @@
-"""Upstream llama-server for the benchmarks that compare against it: the build (made once by
-``bench/build_llama_server.sh`` from the llama.cpp tree the engine's wheel is built from),
-the environment it runs in, and what its version and cache defaults are; and the models
-both servers load."""
+"""llama-server for the benchmarks that compare against it: the builds (made once by
+``bench/build_llama_server.sh`` from the llama.cpp tree the engine's wheel is built from:
+upstream, with ggml's own kernels, or ``patched`` with the wheel's ggml patches), the
+environment it runs in, and what its version and cache defaults are; what the engine's own
+wheel was built with; and the models the servers load."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
 import os
 import re
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +36,18 @@ def model_path(name: str) -> Path:
     return H.real_model(name)
 
 
-def llama_server_binary() -> tuple[str | None, str]:
+PATCHES_DIR = H.REPO_ROOT / "scripts" / "patches"
+
+
+def llama_server_binary(patched: bool = False) -> tuple[str | None, str]:
     """(path, "") of the llama-server built by bench/build_llama_server.sh (cached after the
-    first build), or (None, why) where it cannot be built here."""
+    first build), or (None, why) where it cannot be built here. ``patched``: the build with
+    scripts/patches/*.patch applied, as the engine's wheel has them."""
     script = H.REPO_ROOT / "bench" / "build_llama_server.sh"
-    H.progress("llama-server: bench/build_llama_server.sh (about 10 minutes the first time)")
+    argv = [str(script), *(["--patched"] if patched else [])]
+    H.progress(f"llama-server: {' '.join(argv[1:] or ['upstream'])} build (~10 min the first time)")
     try:
-        done = subprocess.run([str(script)], capture_output=True, text=True, check=False)
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
     except OSError as exc:
         return None, f"{script.name} could not run: {exc}"
     lines = done.stdout.strip().splitlines()
@@ -48,10 +57,10 @@ def llama_server_binary() -> tuple[str | None, str]:
     return lines[-1], ""
 
 
-def llama_server_or_skip(name: str) -> str | None:
+def llama_server_or_skip(name: str, patched: bool = False) -> str | None:
     """The llama-server binary; None, having said why the benchmark `name` is skipped, where
     it cannot be built here (the benchmark then exits 0 and publishes nothing)."""
-    binary, why = llama_server_binary()
+    binary, why = llama_server_binary(patched)
     if binary is None:
         H.progress(f"SKIPPED {name}: llama-server cannot be built on this machine. {why}")
         print(f"{name}: skipped, llama-server cannot be built here (see stderr)")
@@ -88,8 +97,36 @@ def help_defaults(help_text: str, flags: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def llama_server_info(binary: str) -> dict[str, Any]:
-    """The build's version line and the defaults of its caching options."""
+def patch_set(paths: Sequence[Path]) -> dict[str, str]:
+    """Patch name -> sha1 of its contents (the file name without .patch, as the wheel's
+    manifest names it)."""
+    return {p.stem: hashlib.sha1(p.read_bytes()).hexdigest()[:10] for p in sorted(paths)}
+
+
+def repo_patches() -> dict[str, str]:
+    """The ggml patches in this checkout (what ``--patched`` applies)."""
+    return patch_set(sorted(PATCHES_DIR.glob("*.patch")))
+
+
+def wheel_build() -> dict[str, Any]:
+    """What the installed llama-cpp-python wheel says it was built with
+    (scripts/build-llama-wheel.sh writes llama_cpp/polykv_build.json), read without loading
+    libllama into this process; empty for a wheel built elsewhere."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        return {}
+    try:
+        manifest: dict[str, Any] = json.loads(
+            (Path(spec.origin).parent / "polykv_build.json").read_text()
+        )
+    except (OSError, ValueError):
+        return {}
+    return manifest
+
+
+def llama_server_info(binary: str, patches: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The build's version line and the defaults of its caching options; ``patches``: the
+    ggml patches it was built with (None: upstream)."""
 
     def run(*args: str) -> str:
         done = subprocess.run(
@@ -113,5 +150,6 @@ def llama_server_info(binary: str) -> dict[str, Any]:
     return {
         "binary": binary,
         "version": version,
+        "patches": dict(patches or {}),
         "defaults": help_defaults(run("--help"), CACHE_FLAGS),
     }

@@ -1,13 +1,24 @@
-"""PolyKV against upstream llama-server on plain decode: aggregate tokens/s at 1/2/4/8
-streams, on the bench model and a real quantized instruction model, side by side in one run.
+"""PolyKV against llama-server on plain decode: aggregate tokens/s at 1/2/4/8 streams, on
+the bench model and a real quantized instruction model, side by side in one run.
 
-llama-server is built from the llama.cpp tree vendored in the pinned llama-cpp-python sdist
-(``bench/build_llama_server.sh``), with the same portable CPU build, so both servers run the
-same kernels. The engine runs three times, once per OpenMP wait policy (passive: idle
-compute threads sleep at every barrier; default: libgomp's, a short spin then sleep, as
-llama-server runs; active: they spin), to decide the engine's default by measurement.
-Every repetition visits the servers in a rotated order, and the tokens each server produced
-for the same greedy prompt are compared.
+Four columns, each a different build or a different program:
+
+- *llama-server, upstream*: built from the llama.cpp tree vendored in the pinned
+  llama-cpp-python sdist (``bench/build_llama_server.sh``), same portable CPU build as the
+  engine's wheel, but ggml's own kernels: the wheel carries ggml patches
+  (``scripts/patches/``, applied by ``scripts/build-llama-wheel.sh``) that this build lacks.
+- *llama-server, patched*: the same source and flags with those patches applied
+  (``bench/build_llama_server.sh --patched``): the engine's kernels behind llama-server's
+  scheduler. Patched ÷ upstream is what the kernels give; PolyKV ÷ patched is the server.
+- *PolyKV*: the engine on its wheel.
+- *bare loop*: ``llama_decode`` alone on the engine's wheel (``bench/direct_decode.py``, a
+  child process; k one-token sequences per call, no sampling, no HTTP): the limit any server
+  on this build could reach. PolyKV ÷ bare loop is the engine's own overhead.
+
+Every column runs with the same OpenMP wait policy, the harness's (``POLYKV_OMP_WAIT_POLICY``,
+else the engine's ``auto``), so the wait policy is not what differs. Every repetition visits
+the columns in a rotated order, the others stopped; ratios are paired per repetition. The
+tokens each server streamed for the same greedy prompts are compared stream by stream.
 
 Workload per level k: k distinct prompts released at one instant, each streaming
 ``n_predict`` greedy tokens with EOS ignored. Aggregate decode tok/s = tokens after each
@@ -18,7 +29,7 @@ server's own event loop.
 
 Shared prefix (second section): 8 agents whose prompts start with the same
 ~1.9k-token prefix and end in short distinct suffixes, each asking for one short greedy
-answer, on a cold server: llama-server as it comes (a fresh process per run: its slots and
+answer, on a cold server: upstream llama-server as it comes (a fresh process per run: its slots and
 its host-memory prompt cache empty; its own prompt-cache defaults, read from its ``--help``
 and recorded), PolyKV with automatic prefix sharing (no pool) and PolyKV with the prefix
 resident as a pool created beforehand (timed apart) and attached by ``pool_id`` (the engine
@@ -30,10 +41,13 @@ the prompt tokens each server computed. ``--reps`` repetitions in rotated server
 ratios are paired per repetition. A chart of first-token time per agent is drawn beside the
 results.
 
-llama-server is built (once, cached) by ``bench/build_llama_server.sh``; where that fails
-(no compiler, no network for the sdist), the benchmark says so and skips.
+llama-server is built (once per flavour, cached) by ``bench/build_llama_server.sh``; where that
+fails (no compiler, no network for the sdist), the benchmark says so and skips.
 
-    python -m bench.vs_llama_server [--reps 3] [--sections decode,shared] [--quick]
+Each section publishes on its own: ``vs_llama_server`` (decode) and
+``vs_llama_server_shared`` (shared prefix), a results file and a docs table each.
+
+    python -m bench.vs_llama_server [--reps 6] [--sections decode,shared] [--quick]
     python -m bench.vs_llama_server --from-json bench/results/vs_llama_server.json
 """
 
@@ -41,7 +55,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
+import json
 import os
 import random
 import statistics
@@ -57,20 +73,35 @@ import httpx
 from . import harness as H
 from . import report as R
 from . import upstream as U
+from .direct_decode import direct_decode_ms
 from .engine_client import Api
 from .workload import WORDS, word_text
 
 NAME = "vs_llama_server"
-# How ggml's OpenMP threads wait for the next graph (polykv_engine/llama/omp.py): spin a
-# while then sleep (the shipped default), sleep at once, libgomp's default (what llama-server
-# runs with), spin without end. The engine's default is chosen from this table.
-OMP_POLICIES = ("spin", "passive", "default", "active")
-POLYKV_KEYS = tuple(f"polykv_{p}" for p in OMP_POLICIES)
+SECTIONS = ("decode", "shared")
+PUBLISHED = {"decode": NAME, "shared": f"{NAME}_shared"}  # one results file and table each
 OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 LEVELS = (1, 2, 4, 8)
 N_SLOTS = 9  # 8 streams + the responsiveness probe
 CTX = 9 * 1024
-SECTIONS = ("decode", "shared")
+# The decode columns; the first three are HTTP servers, the last runs llama_decode alone.
+UPSTREAM, PATCHED, POLYKV, BARE = "llama_server", "llama_server_patched", "polykv", "bare_loop"
+DECODE_KEYS = (UPSTREAM, PATCHED, POLYKV, BARE)
+DECODE_LABELS = {
+    UPSTREAM: "llama-server, upstream",
+    PATCHED: "llama-server, patched",
+    POLYKV: "PolyKV",
+    BARE: "bare llama_decode loop",
+}
+# (numerator, denominator, what the ratio isolates), each paired per repetition.
+RATIOS = (
+    (PATCHED, UPSTREAM, "kernels: patched ÷ upstream llama-server"),
+    (POLYKV, PATCHED, "server: PolyKV ÷ patched llama-server"),
+    (POLYKV, UPSTREAM, "PolyKV ÷ upstream llama-server"),
+    (POLYKV, BARE, "PolyKV ÷ bare loop"),
+)
+TOKEN_PAIRS = ((UPSTREAM, PATCHED), (PATCHED, POLYKV), (UPSTREAM, POLYKV))
+BARE_PROMPT_TOKENS = 40  # about what the streams' prompts tokenize to
 # Shared-prefix section: one slot per agent; llama-server splits -c evenly across its slots
 # (an explicit -np turns its unified KV off), so each of its slots gets SLOT_CTX cells,
 # room for the prefix, a suffix and the answer. The engine gets the same -np and -c (one
@@ -92,7 +123,7 @@ _PROMPT_WORDS = WORDS[:25]  # the short list these prompts were first made with
 
 @dataclass
 class Config:
-    reps: int = 3
+    reps: int = 6
     n_predict: int = 128
     threads: int = 2
     models: tuple[str, ...] = ("bench", "smollm2-135m-instruct-q4_1")
@@ -106,6 +137,9 @@ class Config:
     # resolves to it on a CPU, and so does the engine's); results recorded before this
     # setting existed ran with "off", hence the dataclass default.
     flash_attn: str = "off"
+    # The OpenMP wait policy every decode column ran with (the harness's choice); "" in
+    # results recorded before it was one for all.
+    omp_policy: str = ""
 
 
 @dataclass
@@ -122,41 +156,45 @@ def prompt(model: str, rep: int, k: int, i: int) -> str:
 
 
 @contextlib.contextmanager
-def servers(model: Path, cfg: Config, binary: str) -> Iterator[list[Server]]:
+def servers(model: Path, cfg: Config, binaries: Mapping[str, str]) -> Iterator[list[Server]]:
+    """Both llama-server builds and the engine, each with the harness's OpenMP variables."""
     common = ["-np", str(N_SLOTS), "-c", str(CTX), "-t", str(cfg.threads), "-fa", cfg.flash_attn]
-    for var in OMP_VARS:  # children inherit no wait policy: each server runs its own default
+    for var in OMP_VARS:  # nothing inherited: each child gets exactly H.SERVER_ENV's
         os.environ.pop(var, None)
     with contextlib.ExitStack() as stack:
         out = []
-        ls = H.ServerProcess(
-            "llama-server",
-            [
-                binary,
-                "-m",
-                str(model),
-                *common,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "{port}",
-                "--no-webui",
-            ],
-            "/health",
-            env=U.llama_server_env(binary),
-        )
-        stack.enter_context(H.server(ls))
-        out.append(Server("llama_server", "llama-server", ls.base_url, ls.pid))
-        for policy in OMP_POLICIES:
-            # The engine's own knob, with any inherited OMP_WAIT_POLICY removed, so "default"
-            # really is libgomp's default.
-            env = {"POLYKV_OMP_WAIT_POLICY": policy}
-            eng = stack.enter_context(
-                H.engine(f"polykv-{policy}", model, [*common, "--metrics"], env)
-            )
-            assert eng.proc is not None
-            label = f"PolyKV ({policy} threads)"
-            out.append(Server(f"polykv_{policy}", label, eng.base_url, eng.proc.pid))
+        for key in (UPSTREAM, PATCHED):
+            binary = binaries[key]
+            ls = H.ServerProcess(
+                key.replace("_", "-"),
+                [binary, "-m", str(model), *common, "--host", "127.0.0.1", "--port", "{port}",
+                 "--no-webui"],
+                "/health",
+                env={**U.llama_server_env(binary), **H.SERVER_ENV},
+            )  # fmt: skip
+            stack.enter_context(H.server(ls))
+            out.append(Server(key, DECODE_LABELS[key], ls.base_url, ls.pid))
+        eng = stack.enter_context(H.engine("polykv", model, [*common, "--metrics"]))
+        assert eng.proc is not None
+        out.append(Server(POLYKV, DECODE_LABELS[POLYKV], eng.base_url, eng.proc.pid))
         yield out
+
+
+def bare_loop(model: Path, cfg: Config, k: int) -> dict[str, Any]:
+    """``llama_decode`` of k one-token sequences per call on the engine's wheel, in a child
+    process with the servers' context shape, for as many steps as a stream decodes."""
+    ms = direct_decode_ms(
+        model,
+        [k],
+        cfg.threads,
+        cfg.flash_attn,
+        ctx=CTX,
+        n_seq_max=N_SLOTS,
+        prompt=BARE_PROMPT_TOKENS,
+        steps=cfg.n_predict - 1,
+        stat="mean",
+    )[k]
+    return {"decode_tps": k * 1e3 / ms, "ms_per_step": ms}
 
 
 def stream(
@@ -214,7 +252,7 @@ def one_level(srv: Server, cfg: Config, model: str, rep: int, k: int) -> dict[st
     return {
         "decode_tps": decoded / H.merged_length(spans),
         "first_token_s": max(first - send for send, first, _, _ in runs),
-        "tokens": runs[0][3],
+        "tokens": [toks for *_, toks in runs],  # stream by stream, in prompt order
         "probe_ttft_s": probes,
     }
 
@@ -451,70 +489,114 @@ def measure_shared(cfg: Config, binary: str, model: str, raw: dict[str, Any]) ->
 # ---------------------------------------------------------------------------- the benchmark
 
 
-def measure(cfg: Config, binary: str) -> dict[str, Any]:
+def measure_decode(cfg: Config, binaries: Mapping[str, str], model: str) -> list[dict[str, Any]]:
+    path = U.model_path(model)
+    runs = []
+    H.progress(f"{model}: starting both llama-servers and the engine")
+    with servers(path, cfg, binaries) as srvs:
+        by_key = {s.key: s for s in srvs}
+        for rep in range(cfg.reps):
+            order = DECODE_KEYS[rep % len(DECODE_KEYS) :] + DECODE_KEYS[: rep % len(DECODE_KEYS)]
+            for k in cfg.levels:
+                for key in order:
+                    H.progress(f"{model} rep {rep + 1}/{cfg.reps} k={k} {DECODE_LABELS[key]}")
+                    # The others stopped: an idle server whose threads spin takes a core.
+                    with H.paused([s.pid for s in srvs if s.key != key]):
+                        if key == BARE:
+                            r = bare_loop(path, cfg, k)
+                        else:
+                            r = one_level(by_key[key], cfg, model, rep, k)
+                    runs.append({"model": model, "rep": rep, "k": k, "server": key, **r})
+    return runs
+
+
+def measure(cfg: Config, binaries: Mapping[str, str]) -> dict[str, Any]:
+    """The sections in ``cfg.sections`` (main() measures one at a time)."""
     raw: dict[str, Any] = {
         "env": R.environment(),
-        "llama_server": U.llama_server_info(binary),
+        "llama_server": U.llama_server_info(binaries[UPSTREAM]),
         "shared_models": {},
         "runs": [],
         "shared_runs": [],
     }
+    if "decode" in cfg.sections:
+        raw["llama_server_patched"] = U.llama_server_info(binaries[PATCHED], U.repo_patches())
+        raw["wheel"] = U.wheel_build()
     for model in cfg.models:
         if "decode" in cfg.sections:
-            path = U.model_path(model)
-            H.progress(f"{model}: starting llama-server and {len(OMP_POLICIES)} engines")
-            with servers(path, cfg, binary) as srvs:
-                for rep in range(cfg.reps):
-                    order = srvs[rep % len(srvs) :] + srvs[: rep % len(srvs)]
-                    for k in cfg.levels:
-                        for srv in order:
-                            H.progress(f"{model} rep {rep + 1}/{cfg.reps} k={k} {srv.label}")
-                            # The others stopped: an idle `active` engine spins a core.
-                            with H.paused([s.pid for s in srvs if s is not srv]):
-                                r = one_level(srv, cfg, model, rep, k)
-                            raw["runs"].append({"model": model, "rep": rep, "k": k,
-                                                "server": srv.key, **r})  # fmt: skip
+            raw["runs"] += measure_decode(cfg, binaries, model)
         if "shared" in cfg.sections:
             H.progress(f"{model}: shared prefix, {AGENTS} agents")
-            measure_shared(cfg, binary, model, raw)
+            measure_shared(cfg, binaries[UPSTREAM], model, raw)
     return raw
 
 
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The index of the first token where two streams differ; None where they agree."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_tokens(a_runs: Mapping[int, Any], b_runs: Mapping[int, Any]) -> dict[str, Any]:
+    """Two servers' streams for the same prompts (repetition -> streams), stream by stream:
+    how many agree exactly, and where each that does not first diverges."""
+    diverged: list[int] = []
+    compared = 0
+    for rep in sorted(set(a_runs) & set(b_runs)):
+        for x, y in zip(a_runs[rep], b_runs[rep], strict=True):
+            compared += 1
+            if (at := first_divergence(x, y)) is not None:
+                diverged.append(at)
+    return {
+        "identical": compared - len(diverged),
+        "compared": compared,
+        "first_divergence": diverged,
+    }
+
+
 def analyse_decode(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
+    """Per model and stream count: each column's rate, the paired ratios, the probe's
+    first-token times at the top level, and the servers' tokens compared pair by pair."""
     runs = raw["runs"]
     out: dict[str, Any] = {}
     for model in dict.fromkeys(r["model"] for r in runs):
         rows: dict[str, Any] = {}
         for k in cfg.levels:
 
-            def of(key: str, field_: str, k: int = k, model: str = model) -> list[Any]:
-                return [
-                    r[field_]
+            def of(key: str, field_: str, k: int = k, model: str = model) -> dict[int, Any]:
+                return {
+                    r["rep"]: r[field_]
                     for r in runs
                     if r["model"] == model and r["k"] == k and r["server"] == key
-                ]
+                }
 
-            row: dict[str, Any] = {}
-            ls = of("llama_server", "decode_tps")
-            for key in ("llama_server", *POLYKV_KEYS):
-                row[key] = H.summarize(of(key, "decode_tps")).as_dict()
-            for key in POLYKV_KEYS:
-                paired = [a / b for a, b in zip(of(key, "decode_tps"), ls, strict=True)]
-                row[f"{key}_ratio"] = H.summarize(paired).as_dict()
+            tps = {key: of(key, "decode_tps") for key in DECODE_KEYS}
+            row: dict[str, Any] = {
+                key: H.summarize(list(tps[key].values())).as_dict()
+                for key in DECODE_KEYS
+                if tps[key]
+            }
+            row["ratios"] = {}
+            for num, den, _ in RATIOS:
+                paired = [tps[num][rep] / tps[den][rep] for rep in tps[num] if rep in tps[den]]
+                if paired:
+                    row["ratios"][f"{num}_over_{den}"] = H.summarize(paired).as_dict()
             if k == max(cfg.levels):
-                for key in ("llama_server", *POLYKV_KEYS):
-                    probes = [p for ps in of(key, "probe_ttft_s") for p in ps]
+                for key in (UPSTREAM, PATCHED, POLYKV):
+                    probes = [p for ps in of(key, "probe_ttft_s").values() for p in ps]
                     if probes:
                         row[f"{key}_probe"] = {
                             "p50": statistics.median(probes),
                             "p99": sorted(probes)[min(len(probes) - 1, int(0.99 * len(probes)))],
                             "n": len(probes),
                         }
-            toks = {key: of(key, "tokens") for key in ("llama_server", "polykv_passive")}
-            row["identical_tokens"] = sum(
-                a == b for a, b in zip(toks["llama_server"], toks["polykv_passive"], strict=True)
-            )
-            row["compared"] = len(toks["llama_server"])
+            row["tokens"] = {
+                f"{a}_vs_{b}": compare_tokens(of(a, "tokens"), of(b, "tokens"))
+                for a, b in TOKEN_PAIRS
+                if tps[a] and tps[b]
+            }
             rows[str(k)] = row
         out[model] = rows
     return out
@@ -609,51 +691,120 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
     return {"decode": analyse_decode(cfg, raw), "shared": analyse_shared(raw)}
 
 
-def render_decode(cfg: Config, res: dict[str, Any]) -> list[str]:
+def builds(raw: Mapping[str, Any]) -> dict[str, str]:
+    """Which build each decode column ran, in words, from what the run recorded."""
+    wheel = raw.get("wheel") or {}
+    wheel_patches = ", ".join(wheel.get("patches", ())) or "none"
+    ls = raw.get("llama_server") or {}
+    lp = raw.get("llama_server_patched") or {}
+    lp_patches = ", ".join(f"{n} ({sha})" for n, sha in (lp.get("patches") or {}).items())
+    where = "the llama.cpp vendored in llama-cpp-python " + str(wheel.get("version", "?"))
+    return {
+        UPSTREAM: f"llama-server {ls.get('version', '?')} from {where} "
+        "(`bench/build_llama_server.sh`): ggml's own kernels, none of our patches",
+        PATCHED: "the same source and cmake flags with our ggml patches applied "
+        f"(`bench/build_llama_server.sh --patched`: {lp_patches or 'none recorded'})",
+        POLYKV: "the engine on its wheel (`scripts/build-llama-wheel.sh`, llama-cpp-python "
+        f"{wheel.get('version', '?')}, patches: {wheel_patches})",
+        BARE: "`llama_decode` alone on the same wheel (`bench/direct_decode.py`, a child "
+        f"process): k one-token sequences per call after a {BARE_PROMPT_TOKENS}-token prompt "
+        "each, mean time per call over as many calls as a stream decodes, no sampling, no "
+        "HTTP: the limit of any server on this build",
+    }
+
+
+def patches_disagree(raw: Mapping[str, Any]) -> str:
+    """A warning where the wheel and the patched llama-server name different patches."""
+    wheel = set((raw.get("wheel") or {}).get("patches", ()))
+    server = set((raw.get("llama_server_patched") or {}).get("patches") or {})
+    if wheel == server:
+        return ""
+    return (
+        f"**The wheel's patches ({', '.join(sorted(wheel)) or 'none'}) are not the patched "
+        f"llama-server's ({', '.join(sorted(server)) or 'none'}): its column is not the "
+        "engine's kernels.**"
+    )
+
+
+def token_lines(cfg: Config, rows: Mapping[str, Any]) -> list[str]:
+    """Per server pair: streams identical out of those compared at each stream count, and
+    where the ones that differ first diverge."""
+    lines = []
+    for a, b in TOKEN_PAIRS:
+        pair = f"{a}_vs_{b}"
+        cells = []
+        for k, row in rows.items():
+            t = row.get("tokens", {}).get(pair)
+            if t is None:
+                continue
+            cell = f"{t['identical']}/{t['compared']} at {k}"
+            if t["first_divergence"]:
+                cell += f" (diverging from token {min(t['first_divergence'])})"
+            if k == "1" and t["identical"] != t["compared"]:
+                cell = f"**{cell}: a mismatch where they must agree**"
+            cells.append(cell)
+        if cells:
+            lines.append(f"{DECODE_LABELS[a]} against {DECODE_LABELS[b]}: " + ", ".join(cells))
+    return lines
+
+
+def render_decode(cfg: Config, raw: Mapping[str, Any], res: dict[str, Any]) -> list[str]:
+    built = builds(raw)
+    policy = cfg.omp_policy or "(not recorded)"
     parts = [
-        "### Plain decode against upstream llama-server",
+        "### Plain decode: llama-server upstream and patched, PolyKV, bare llama_decode",
         "",
         f"{cfg.n_predict} greedy tokens per stream, EOS ignored, k distinct prompts released "
         f"together; `-np {N_SLOTS} -c {CTX} -t {cfg.threads} -fa {cfg.flash_attn}` for every "
-        "server; "
-        "llama-server built from the llama.cpp tree the engine runs on "
-        "(`bench/build_llama_server.sh`, same portable CPU build). Aggregate decode tok/s, "
-        f"median (min–max) of {cfg.reps} repetitions in rotated server order; ratios are "
-        "paired per repetition. *Probe*: one-token requests on a ninth slot every "
-        f"{cfg.probe_interval_s} s while 8 streams decode, time to first token.",
+        f"server, OpenMP wait policy `{policy}` for every column. Builds: "
+        + "; ".join(f"*{DECODE_LABELS[key]}*: {text}" for key, text in built.items())
+        + ". Aggregate decode tok/s (tokens after each stream's first over the union of the "
+        f"streams' spans), median (min–max) of {cfg.reps} repetitions, the columns visited in "
+        "rotated order with the others stopped; ratios paired per repetition. *Probe*: "
+        f"one-token requests on a ninth slot every {cfg.probe_interval_s} s while 8 streams "
+        "decode, time to first token. *Tokens*: each server's streams for the same prompts, "
+        "compared stream by stream. At 1 stream they must agree (one sequence, greedy, the "
+        "prompt in one batch and one token per step on every server; the patches keep "
+        "results bit-identical). At 2 and more they may not: the servers group the prompts "
+        "and the decode tokens into batches of their own, and ggml picks its matmul path by "
+        "batch size, so a stream can diverge once two near-equal logits swap.",
         "",
     ]
+    if warn := patches_disagree(raw):
+        parts += [warn, ""]
     for model, rows in res.items():
-        parts.append(f"**{model}**")
-        parts.append("")
-        table = []
-        keys = [k for k in POLYKV_KEYS if k in next(iter(rows.values()))]
-        for k, row in rows.items():
-            table.append([
+        parts += [f"**{model}**", ""]
+        first = next(iter(rows.values()))
+        keys = [key for key in DECODE_KEYS if key in first]
+        ratios = [
+            (f"{n}_over_{d}", label) for n, d, label in RATIOS if f"{n}_over_{d}" in first["ratios"]
+        ]
+        table = [
+            [
                 k,
-                H.Summary(tuple(row["llama_server"]["values"])).fmt(0),
-                *(H.Summary(tuple(row[key]["values"])).fmt(0) for key in keys),
-                *(H.Summary(tuple(row[f"{key}_ratio"]["values"])).fmt(2, unit="×") for key in keys),
-                f"{row['identical_tokens']}/{row['compared']}",
-            ])  # fmt: skip
-        names = [key.removeprefix("polykv_") for key in keys]
-        parts.append(R.markdown_table(
-            ["streams", "llama-server tok/s", *(f"PolyKV {n} tok/s" for n in names),
-             *(f"{n} ÷ llama-server" for n in names), "same tokens"],
-            table,
-        ))  # fmt: skip
+                *(R.fmt(row.get(key), 0) for key in keys),
+                *(R.fmt(row["ratios"].get(r), 2, unit="×") for r, _ in ratios),
+            ]
+            for k, row in rows.items()
+        ]
+        parts.append(
+            R.markdown_table(
+                ["streams", *(f"{DECODE_LABELS[key]} tok/s" for key in keys),
+                 *(label for _, label in ratios)],
+                table,
+            )
+        )  # fmt: skip
         top = rows[str(max(cfg.levels))]
-        labels = {"llama_server": "llama-server"} | {
-            key: f"PolyKV {key.removeprefix('polykv_')}" for key in keys
-        }
         probe = [
-            f"{label}: p50 {top[f'{key}_probe']['p50'] * 1e3:.0f} ms, "
+            f"{DECODE_LABELS[key]}: p50 {top[f'{key}_probe']['p50'] * 1e3:.0f} ms, "
             f"p99 {top[f'{key}_probe']['p99'] * 1e3:.0f} ms ({top[f'{key}_probe']['n']} probes)"
-            for key, label in labels.items()
+            for key in (UPSTREAM, PATCHED, POLYKV)
             if f"{key}_probe" in top
         ]
         if probe:
             parts += ["", "Probe during 8 streams — " + "; ".join(probe) + "."]
+        if lines := token_lines(cfg, rows):
+            parts += ["", "Tokens, streams identical — " + "; ".join(lines) + "."]
         parts.append("")
     return parts
 
@@ -669,8 +820,10 @@ def render_shared(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> list
         "its own short suffix, each asking for "
         f"{cfg.answer_tokens} greedy tokens (EOS ignored, `cache_prompt: true`); every run on "
         "a cold server. *Fan-out*: all agents released at one instant; *staggered*: one agent "
-        f"every {cfg.stagger_s:g} s. Servers: llama-server "
-        f"({info.get('version', '?')}, built by `bench/build_llama_server.sh`) started afresh "
+        f"every {cfg.stagger_s:g} s. Servers: upstream llama-server "
+        f"({info.get('version', '?')}, built by `bench/build_llama_server.sh` from the "
+        "llama.cpp tree of the engine's wheel with ggml's own kernels, without the wheel's "
+        "ggml patches) started afresh "
         "for every run (empty slots, empty host-memory prompt cache) with its own OpenMP wait "
         "policy and its caching defaults"
         + (f" ({stated})" if stated else "")
@@ -751,15 +904,33 @@ def render_shared(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> list
     return parts
 
 
+def provenance_note(raw: Mapping[str, Any]) -> str:
+    """The binaries each server ran, for the line under the tables."""
+    ran = [f"upstream llama-server `{(raw.get('llama_server') or {}).get('binary', '?')}`"]
+    if lp := raw.get("llama_server_patched"):
+        ran.append(f"patched llama-server `{lp.get('binary', '?')}`")
+    if wheel := raw.get("wheel"):
+        ran.append(
+            f"PolyKV and the bare loop on the wheel llama-cpp-python {wheel.get('version', '?')} "
+            f"with {', '.join(wheel.get('patches', ())) or 'no patches'}"
+        )
+    return "Builds: " + "; ".join(ran) + "."
+
+
 def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
-    env = raw["env"]
     parts: list[str] = []
     if res.get("decode"):
-        parts += render_decode(cfg, res["decode"])
+        parts += render_decode(cfg, raw, res["decode"])
     if res.get("shared"):
         parts += render_shared(cfg, raw, res["shared"])
-    parts.append(R.provenance(NAME, env))
+    name = PUBLISHED[cfg.sections[0]] if len(cfg.sections) == 1 else NAME
+    parts.append(R.provenance(name, raw["env"], note=provenance_note(raw), command=command(cfg)))
     return "\n".join(parts)
+
+
+def command(cfg: Config) -> str:
+    """How to measure this section again."""
+    return f"python -m bench.{NAME} --sections {','.join(cfg.sections)} --reps {cfg.reps}"
 
 
 def chart(data: Mapping[str, Any], out_dir: Path) -> list[Path]:
@@ -781,9 +952,10 @@ def _sections(text: str) -> tuple[str, ...]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m bench.{NAME}", description=__doc__)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=Config.reps)
     p.add_argument("--n-predict", type=int, default=128)
     p.add_argument("--models", default="bench,smollm2-135m-instruct-q4_1")
+    p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="decode: stream counts")
     p.add_argument("--sections", type=_sections, default=SECTIONS, help="decode,shared")
     p.add_argument(
         "--prefix-tokens",
@@ -800,34 +972,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     R.add_output_flags(p)
     args = p.parse_args(argv)
-    if (rc := R.from_json(NAME, args, Config, analyse, render, charts=chart)) is not None:
-        return rc
+    if args.from_json is not None:
+        name = json.loads(args.from_json.read_text())["benchmark"]
+        return R.from_json(name, args, Config, analyse, render, charts=chart) or 0
     cfg = Config(
         reps=args.reps,
         n_predict=args.n_predict,
         models=tuple(args.models.split(",")),
+        levels=tuple(int(x) for x in args.levels.split(",")),
         sections=args.sections,
         shared_prefix_tokens=args.prefix_tokens,
         stagger_s=args.stagger_s,
         flash_attn=args.flash_attn,
+        omp_policy=H.OMP_CHOICE.policy,
     )
     if args.quick:
         cfg.reps, cfg.n_predict, cfg.levels = 1, 16, (1, 8)
         cfg.shared_prefix_tokens, cfg.stagger_s, cfg.answer_tokens = 400, 0.2, 8
     if cfg.reps < 1 or not 200 <= cfg.shared_prefix_tokens <= SLOT_CTX - 200:
         p.error(f"--reps must be >= 1 and --prefix-tokens in 200..{SLOT_CTX - 200}")
-    if (binary := U.llama_server_or_skip(NAME)) is None:
+    if not cfg.levels or not all(1 <= k <= N_SLOTS - 1 for k in cfg.levels):
+        p.error(f"--levels: stream counts in 1..{N_SLOTS - 1}")
+    binaries = {UPSTREAM: U.llama_server_or_skip(NAME)}
+    if "decode" in cfg.sections:
+        binaries[PATCHED] = U.llama_server_or_skip(NAME, patched=True)
+    if None in binaries.values():
         return 0
-    return R.run_and_publish(
-        NAME,
-        cfg,
-        args,
-        lambda c: measure(c, binary),
-        analyse,
-        render,
-        bulky=("runs", "shared_runs"),
-        charts=chart,
-    )
+    built = {k: v for k, v in binaries.items() if v is not None}
+    for section in cfg.sections:  # each publishes its own results file and table
+        one = dataclasses.replace(cfg, sections=(section,))
+        rc = R.run_and_publish(
+            PUBLISHED[section],
+            one,
+            args,
+            lambda c: measure(c, built),
+            analyse,
+            render,
+            bulky=("runs", "shared_runs"),
+            charts=chart,
+        )
+        if rc:
+            return rc
+    return 0
 
 
 if __name__ == "__main__":
