@@ -761,8 +761,10 @@ def render_decode(cfg: Config, raw: Mapping[str, Any], res: dict[str, Any]) -> l
         + ". Aggregate decode tok/s (tokens after each stream's first over the union of the "
         f"streams' spans), median (min–max) of {cfg.reps} repetitions, the columns visited in "
         "rotated order with the others stopped; ratios paired per repetition. *Probe*: "
-        f"one-token requests on a ninth slot every {cfg.probe_interval_s} s while 8 streams "
-        "decode, time to first token. *Tokens*: each server's streams for the same prompts, "
+        f"one-token requests on a ninth slot every {cfg.probe_interval_s} s while "
+        f"{max(cfg.levels)} streams decode, time to first token (the servers answer it in "
+        "their measured span at that count, the bare loop has none). *Tokens*: each "
+        "server's streams for the same prompts, "
         "compared stream by stream. At 1 stream they must agree (one sequence, greedy, the "
         "prompt in one batch and one token per step on every server; the patches keep "
         "results bit-identical). At 2 and more they may not: the servers group the prompts "
@@ -802,7 +804,7 @@ def render_decode(cfg: Config, raw: Mapping[str, Any], res: dict[str, Any]) -> l
             if f"{key}_probe" in top
         ]
         if probe:
-            parts += ["", "Probe during 8 streams — " + "; ".join(probe) + "."]
+            parts += ["", f"Probe during {max(cfg.levels)} streams — " + "; ".join(probe) + "."]
         if lines := token_lines(cfg, rows):
             parts += ["", "Tokens, streams identical — " + "; ".join(lines) + "."]
         parts.append("")
