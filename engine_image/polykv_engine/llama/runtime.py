@@ -80,6 +80,7 @@ class BackendInfo:
     extra_buffer_types: tuple[str, ...]  # e.g. CPU_REPACK; an "AMX" entry means AMX kernels
     system_info: str  # llama_print_system_info(), verbatim
     patches: tuple[str, ...] = ()  # PolyKV's patches to the vendored llama.cpp in this build
+    kernel_paths: tuple[str, ...] = ()  # the patched kernel paths that run on this CPU
 
     @property
     def amx(self) -> bool:
@@ -135,6 +136,39 @@ def _ggml() -> ctypes.CDLL:
     return lib
 
 
+# Which patched kernel paths run (scripts/patches/ggml-cpu-paths.patch): by default those
+# measured to win on this CPU family, or exactly these ("all", "none" or names, comma-separated).
+KERNEL_PATHS_ENV = "POLYKV_GGML_PATHS"
+
+
+def _path_names(text: str) -> list[str]:
+    return [name for name in re.split(r"[ ,]+", text) if name]
+
+
+def _kernel_paths(library: str | None) -> tuple[str, ...]:
+    """The patched kernel paths that run in this process, as the CPU module chose them (once,
+    at its first product); a POLYKV_GGML_PATHS name it does not know is an error here, before
+    any product runs."""
+    requested = os.environ.get(KERNEL_PATHS_ENV)
+    gate = ctypes.CDLL(library) if library is not None else None
+    if gate is None or not hasattr(gate, "polykv_ggml_paths"):
+        if requested is not None:
+            raise LlamaError(f"{KERNEL_PATHS_ENV} is set, but this llama.cpp build has no gate")
+        return ()
+    for name in ("polykv_ggml_paths", "polykv_ggml_paths_known"):
+        getattr(gate, name).restype = ctypes.c_char_p
+        getattr(gate, name).argtypes = []
+    known = _path_names(gate.polykv_ggml_paths_known().decode())
+    if requested is not None:
+        unknown = sorted(set(_path_names(requested)) - set(known) - {"all", "none"})
+        if unknown:
+            raise LlamaError(
+                f"{KERNEL_PATHS_ENV}: unknown kernel path(s) {', '.join(unknown)}; "
+                f"known: all, none, {', '.join(known)}"
+            )
+    return tuple(_path_names(gate.polykv_ggml_paths().decode()))
+
+
 def _extra_buffer_types(lib: ctypes.CDLL) -> tuple[str, ...]:
     dev = lib.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
     if not dev:
@@ -180,16 +214,23 @@ def init_backend() -> BackendInfo:
         tag = re.search(r"libggml-cpu-([\w.]+?)\.so", library)
         variant = tag.group(1) if tag else "native"
     _backend = BackendInfo(
-        variant, library, features, _extra_buffer_types(lib), info, build_patches()
+        variant,
+        library,
+        features,
+        _extra_buffer_types(lib),
+        info,
+        build_patches(),
+        _kernel_paths(library),
     )
     log.info(
         "ggml CPU backend: %s (%s); features: %s; extra buffer types: %s; patches: %s; "
-        "OpenMP wait: %s",
+        "kernel paths: %s; OpenMP wait: %s",
         variant or "built in",
         library or "linked into libggml",
         " ".join(k for k, v in features.items() if v == "1") or "none",
         ", ".join(_backend.extra_buffer_types) or "none",
         ", ".join(_backend.patches) or "none",
+        ", ".join(_backend.kernel_paths) or "none",
         omp_wait(),
     )
     choice = decide_once()

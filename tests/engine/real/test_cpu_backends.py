@@ -14,6 +14,7 @@ import httpx
 import llama_cpp
 import pytest
 
+from polykv_engine.llama.runtime import init_backend
 from polykv_engine.testing import EngineProcess
 from tests.conftest import real_model_path
 
@@ -55,6 +56,8 @@ def test_quantized_model_serves_many_requests_on_every_thread(name: str, tmp_pat
             assert backend["variant"], backend  # a per-CPU module was picked at run time
             assert not backend["amx"] and "AMX_INT8" not in backend["features"]
             assert backend["patches"] == shipped_patches()
+            # The gate's choice for this CPU, as this test process's own ggml made it.
+            assert backend["kernel_paths"] == list(init_backend().kernel_paths)
             print(f"{name}: CPU backend {backend['variant']}, repack={backend['repack']}")
 
             def one(i: int) -> int:

@@ -8,9 +8,12 @@ j + 16 in the high one), the activations are quantized to Q8_1 as ggml's x86 cod
 each block's integer dot product is exact, accumulated in float64.
 
 ggml computes the product as one graph on the CPU module the engine loads (ggml_graphs.py).
-The patch routes a 2-D Q4_1 x f32 product to it: Q4_1 weights, activations converted to Q8_1
-and contiguous, no batch dimensions, no repacking (the tensors have no backend buffer) and, for
-Q4_1, neither llamafile's sgemm nor ggml's tiled path (they cover other types). Within a
+Where its gate (ggml-cpu-paths.patch) turns the Q4_1 paths on for this CPU, the patch routes
+a 2-D Q4_1 x f32 product to them (elsewhere ggml's kernel computes it, held to the same
+reference; the direct calls below reach both kernels everywhere): Q4_1 weights, activations
+converted to Q8_1 and contiguous, no batch dimensions, no repacking (the tensors have no
+backend buffer) and, for Q4_1, neither llamafile's sgemm nor ggml's tiled path (they cover
+other types). Within a
 16 x 16 tile, columns go 8 at a time to ggml_vec_dot_q4_1_q8_1_cols and a lone column goes to
 ggml_vec_dot_q4_1_q8_1_rows, 4 weight rows at a time; both fall back to ggml's own kernel for
 a width of one. The shapes below (1..9 columns, 1..5 rows and ragged larger counts, 1 and 2

@@ -84,6 +84,7 @@ def polykv_props(ctx: AppContext) -> PolykvProps:
             repack=rt.repack,
             amx=rt.backend.amx,
             patches=list(rt.backend.patches),
+            kernel_paths=list(rt.backend.kernel_paths),
             threads=rt.n_threads,
             threads_batch=rt.n_threads_batch,
             omp_wait=rt.omp_wait,

@@ -1,0 +1,88 @@
+"""Which patched kernel paths run (scripts/patches/ggml-cpu-paths.patch): each is compiled into
+the zen4 variant only, runs by default only on the CPU families it was measured to win on,
+and POLYKV_GGML_PATHS chooses them instead. The choice is made once per process, so each case
+runs in a fresh interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from polykv_engine.llama.runtime import KERNEL_PATHS_ENV
+from tests.engine.real.ggml_graphs import ggml
+
+ALL = ["q4_1_rows", "q4_1_cols", "q4_K_cols", "q6_K_cols"]
+MEASURED_VARIANT = "zen4"
+PROBE = (
+    "import json; from polykv_engine.llama.runtime import init_backend; b = init_backend(); "
+    "print(json.dumps({'variant': b.cpu_variant, 'paths': list(b.kernel_paths)}))"
+)
+
+
+def probe(paths: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != KERNEL_PATHS_ENV}
+    if paths is not None:
+        env[KERNEL_PATHS_ENV] = paths
+    return subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def chosen(paths: str | None) -> tuple[str | None, list[str]]:
+    done = probe(paths)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return out["variant"], out["paths"]
+
+
+def cpu_identity() -> tuple[str, int]:
+    """(vendor, family) as /proc/cpuinfo reports cpuid's."""
+    fields: dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+        if not line.strip():
+            break
+    return fields.get("vendor_id", "?"), int(fields.get("cpu family", "-1"))
+
+
+def measured_to_win(vendor: str, family: int) -> list[str]:
+    """The table in docs/performance.md (kernel paths): Intel Xeon every path; AMD EPYC Zen 4
+    the Q4_1 column path only; any other CPU none."""
+    if (vendor, family) == ("GenuineIntel", 6):
+        return ALL
+    if (vendor, family) == ("AuthenticAMD", 0x19):
+        return ["q4_1_cols"]
+    return []
+
+
+@pytest.fixture(scope="module")
+def variant() -> str | None:
+    return ggml().backend.cpu_variant
+
+
+def test_by_default_the_paths_measured_on_this_cpu_family_run(variant: str | None) -> None:
+    expected = measured_to_win(*cpu_identity()) if variant == MEASURED_VARIANT else []
+    assert chosen(None) == (variant, expected), cpu_identity()
+
+
+def test_the_environment_chooses_the_paths(variant: str | None) -> None:
+    compiled = variant == MEASURED_VARIANT
+    assert chosen("none") == (variant, [])
+    assert chosen("all") == (variant, ALL if compiled else [])
+    # Named ones in any order and spacing; the report keeps the table's order.
+    assert chosen(" q6_K_cols,q4_1_rows ") == (
+        variant,
+        ["q4_1_rows", "q6_K_cols"] if compiled else [],
+    )
+
+
+def test_an_unknown_path_name_is_refused_at_start() -> None:
+    done = probe("q4_1_cols,q5_1_cols")
+    assert done.returncode != 0
+    assert f"{KERNEL_PATHS_ENV}: unknown kernel path(s) q5_1_cols" in done.stderr
