@@ -300,6 +300,11 @@ class Crew:
                 futures = [pool.submit(self.worker_round, w, r, i) for i, w in enumerate(workers)]
                 answers = [f.result() for f in futures]
                 kv.append(self.target.kv_cells())
+                H.progress(
+                    f"  {LABELS[self.target.key]}: round {r + 1}/{cfg.rounds} done at "
+                    f"{time.perf_counter() - self.t0:.1f} s, {len(self.turns)} turns, "
+                    f"{sum(t['refused'] for t in self.turns)} refusals waited out"
+                )
         wall = time.perf_counter() - self.t0
         under = under_floor_by_session(self.times, cfg.floor_tps)
         sessions = [planner, *workers]
