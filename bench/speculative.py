@@ -16,8 +16,10 @@ upstream llama-server, built from the same llama.cpp tree without PolyKV's kerne
 (``bench/build_llama_server.sh``), once per ``--spec-type`` (``none`` and each n-gram mode it
 offers; no draft model). One stream at a time, greedy, ``n_predict`` tokens; the decode rate
 is measured by the client, token by token: (tokens after the first) / (last − first). Every
-repetition visits the configurations in a rotated order, the servers not measured stopped
-with SIGSTOP. Per server the text with speculation is compared with the text without.
+repetition starts every server afresh (llama-server's ngram-mod and ngram-cache remember
+earlier requests) and visits the configurations in a rotated order, the servers not measured
+stopped with SIGSTOP; every server runs the harness's OpenMP wait policy. Per server the
+text with speculation is compared with the text without.
 
     python -m bench.speculative [--reps 3] [--quick]
     python -m bench.speculative --from-json bench/results/speculative.json
@@ -223,11 +225,15 @@ def prompts(api: Api) -> dict[str, list[int]]:
 
 def measure(cfg: Config, binary: str) -> dict[str, Any]:
     raw: dict[str, Any] = {"env": R.environment(), "runs": []}
-    with targets(cfg, binary, model_path(cfg.model)) as (tgts, api):
-        toks = prompts(api)
-        raw["prompt_tokens"] = {k: len(v) for k, v in toks.items()}
-        pids = {t.pid for t in tgts}
-        for rep in range(cfg.reps):
+    for rep in range(cfg.reps):
+        # Fresh servers every repetition: llama-server's ngram-mod and ngram-cache keep what
+        # they saw across requests, so a repeated request would draft from its own earlier
+        # answer (ngram-mod read 3x on the second of three identical runs), which measures
+        # the benchmark's repetition, not the workload.
+        with targets(cfg, binary, model_path(cfg.model)) as (tgts, api):
+            toks = prompts(api)
+            raw["prompt_tokens"] = {k: len(v) for k, v in toks.items()}
+            pids = {t.pid for t in tgts}
             order = tgts[rep % len(tgts) :] + tgts[: rep % len(tgts)]
             for wl in WORKLOADS:
                 for tgt in order:
@@ -299,9 +305,9 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         "speculation, and the speed-up paired per repetition; llama-server: upstream, built "
         "from the same llama.cpp tree without PolyKV's kernel patches, each `--spec-type` a "
         "server of its own (no draft model). *Same text*: repetitions whose tokens equal the "
-        f"run without speculation. Median (min–max) of {cfg.reps} repetitions, configurations "
-        f"alternating; greedy, {cfg.n_predict} tokens, `-np 1 -c 4096 -t {cfg.threads} -fa "
-        f"{cfg.flash_attn}`.",
+        f"run without speculation. Median (min–max) of {cfg.reps} repetitions, fresh servers "
+        f"each, configurations alternating; greedy, {cfg.n_predict} tokens, `-np 1 -c 4096 "
+        f"-t {cfg.threads} -fa {cfg.flash_attn}`.",
         "",
     ]
     headers = ["workload", "PolyKV none", "PolyKV ngram", "speed-up", "kept", "same text",
