@@ -752,7 +752,7 @@ def render_decode(cfg: Config, raw: Mapping[str, Any], res: dict[str, Any]) -> l
     built = builds(raw)
     policy = cfg.omp_policy or "(not recorded)"
     parts = [
-        "### Plain decode: llama-server upstream and patched, PolyKV, bare llama_decode",
+        "### Plain decode against llama-server and a bare decode loop",
         "",
         f"{cfg.n_predict} greedy tokens per stream, EOS ignored, k distinct prompts released "
         f"together; `-np {N_SLOTS} -c {CTX} -t {cfg.threads} -fa {cfg.flash_attn}` for every "
