@@ -688,7 +688,13 @@ def analyse_shared(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
-    return {"decode": analyse_decode(cfg, raw), "shared": analyse_shared(raw)}
+    """The summary of each section measured (and of no other)."""
+    out: dict[str, Any] = {}
+    if "decode" in cfg.sections:
+        out["decode"] = analyse_decode(cfg, raw)
+    if "shared" in cfg.sections:
+        out["shared"] = analyse_shared(raw)
+    return out
 
 
 def builds(raw: Mapping[str, Any]) -> dict[str, str]:

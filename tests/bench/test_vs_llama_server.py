@@ -68,6 +68,7 @@ def test_ratios_are_paired_per_repetition() -> None:
     assert ratios["polykv_over_bare_loop"]["values"] == [0.8, 0.8]
     assert res["1"]["polykv"]["values"] == [11.0, 22.0]
     assert "polykv_probe" in res["2"] and "polykv_probe" not in res["1"]  # top level only
+    assert set(V.analyse(cfg(), two_reps())) == {"decode"}  # only the section measured
 
 
 def test_tokens_are_compared_stream_by_stream() -> None:
