@@ -157,7 +157,8 @@ def prompt(model: str, rep: int, k: int, i: int) -> str:
 
 @contextlib.contextmanager
 def servers(model: Path, cfg: Config, binaries: Mapping[str, str]) -> Iterator[list[Server]]:
-    """Both llama-server builds and the engine, each with the harness's OpenMP variables."""
+    """Both llama-server builds and the engine, each with the harness's OpenMP variables
+    (``U.llama_server_env`` gives llama-server the engine's)."""
     common = ["-np", str(N_SLOTS), "-c", str(CTX), "-t", str(cfg.threads), "-fa", cfg.flash_attn]
     for var in OMP_VARS:  # nothing inherited: each child gets exactly H.SERVER_ENV's
         os.environ.pop(var, None)
@@ -170,7 +171,7 @@ def servers(model: Path, cfg: Config, binaries: Mapping[str, str]) -> Iterator[l
                 [binary, "-m", str(model), *common, "--host", "127.0.0.1", "--port", "{port}",
                  "--no-webui"],
                 "/health",
-                env={**U.llama_server_env(binary), **H.SERVER_ENV},
+                env=U.llama_server_env(binary),  # H.SERVER_ENV's wait policy included
             )  # fmt: skip
             stack.enter_context(H.server(ls))
             out.append(Server(key, DECODE_LABELS[key], ls.base_url, ls.pid))
@@ -832,8 +833,13 @@ def render_shared(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> list
         f"({info.get('version', '?')}, built by `bench/build_llama_server.sh` from the "
         "llama.cpp tree of the engine's wheel with ggml's own kernels, without the wheel's "
         "ggml patches) started afresh "
-        "for every run (empty slots, empty host-memory prompt cache) with its own OpenMP wait "
-        "policy and its caching defaults"
+        "for every run (empty slots, empty host-memory prompt cache) with "
+        + (
+            f"the engine's OpenMP wait policy (`{cfg.omp_policy}`)"
+            if cfg.omp_policy
+            else "its own OpenMP wait policy"
+        )
+        + " and its caching defaults"
         + (f" ({stated})" if stated else "")
         + "; PolyKV with automatic prefix sharing, no pool; PolyKV with the prefix as a pool, "
         "created before the agents (its time apart, not in theirs) and attached by "
