@@ -456,7 +456,10 @@ class Engine:
             task.shared_prefix = shared
         slot.shared_prefix = task.shared_prefix if slot.pool_id is not None else 0
         sampling = task.sampling.resolved()
-        slot.sampler = self.rt.new_sampler(sampling, task.grammar)
+        # ignore_eos bans end-of-generation tokens, except under a grammar: a finished
+        # grammar admits nothing else, and a token it refuses would abort llama.cpp.
+        ban_eog = task.stop.ignore_eos and task.grammar is None
+        slot.sampler = self.rt.new_sampler(sampling, task.grammar, ban_eog)
         task.grammar = None  # the chain owns it now
         if sampling.has_penalties:
             n = sampling.repeat_last_n

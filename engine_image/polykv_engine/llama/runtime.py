@@ -364,9 +364,13 @@ class Sampler:
         n_vocab: int,
         grammar: CompiledGrammar | None = None,
         count_stacks: bool = False,
+        banned: Sequence[int] = (),
     ) -> None:
         if (grammar is None) != (params.grammar is None):
             raise ValueError("a grammar comes compiled, off the engine thread, or not at all")
+        # Tokens never sampled (ignore_eos bans the end-of-generation tokens, as llama-server
+        # does with a -inf logit bias: decoding past one is not enough, the text would hold it).
+        self._banned = np.array(sorted(set(banned)), dtype=np.int64)
         # Plain greedy is an argmax over the logits: llama_sampler_sample would first copy
         # every logit into a candidate array (34 us at a 49k vocabulary, 4 us for the argmax;
         # both take the first of equal maxima).
@@ -381,6 +385,11 @@ class Sampler:
         self._penalties: ctypes.c_void_p | None = None
         self._grammar: Any = None
         add = C.llama_sampler_chain_add
+        if len(self._banned):
+            bias = (C.llama_logit_bias * len(self._banned))(
+                *(C.llama_logit_bias(int(t), float("-inf")) for t in self._banned)
+            )
+            add(chain, C.llama_sampler_init_logit_bias(n_vocab, len(self._banned), bias))
         if grammar is not None:
             self._grammar = grammar.take()
             add(chain, self._grammar)
@@ -416,7 +425,13 @@ class Sampler:
             if not ptr:
                 raise LlamaError(f"no logits at batch index {idx}")
             row = ctypes.cast(ptr, ctypes.POINTER(self._logits_type)).contents
-            return int(np.frombuffer(row, dtype=np.float32).argmax())
+            logits = np.frombuffer(row, dtype=np.float32)
+            best = int(logits.argmax())
+            if len(self._banned) and best in self._banned:  # rare: mask a copy, look again
+                logits = logits.copy()
+                logits[self._banned] = -np.inf
+                best = int(logits.argmax())
+            return best
         return int(C.llama_sampler_sample(self._chain, ctx, idx))
 
     def grammar_stacks(self) -> int:
@@ -456,6 +471,8 @@ class LlamaRuntime:
         self._stack.callback(C.llama_model_free, model)
         self._vocab = C.llama_model_get_vocab(model)
         self.info = self._read_info(path)
+        vocab = self._vocab
+        self._eog = tuple(t for t in range(self.info.n_vocab) if C.llama_vocab_is_eog(vocab, t))
         self.counts_grammar_stacks = layout_ok(self._vocab)
         if not self.counts_grammar_stacks:
             log.warning(
@@ -650,8 +667,16 @@ class LlamaRuntime:
         self._stack.callback(batch.free)
         return batch
 
-    def new_sampler(self, params: SamplingParams, grammar: CompiledGrammar | None) -> Sampler:
-        return Sampler(params, self.info.n_vocab, grammar, self.counts_grammar_stacks)
+    def new_sampler(
+        self, params: SamplingParams, grammar: CompiledGrammar | None, ban_eog: bool = False
+    ) -> Sampler:
+        """``ban_eog``: never sample an end-of-generation token (``ignore_eos``)."""
+        banned = self.eog_tokens() if ban_eog else ()
+        return Sampler(params, self.info.n_vocab, grammar, self.counts_grammar_stacks, banned)
+
+    def eog_tokens(self) -> tuple[int, ...]:
+        """Every end-of-generation token of the vocabulary."""
+        return self._eog
 
     def logits(self, idx: int) -> np.ndarray:
         """The raw logits at batch index ``idx``: a view into llama.cpp's buffer, valid until
