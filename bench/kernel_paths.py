@@ -25,7 +25,7 @@ from typing import Any
 from . import harness as H
 from . import report as R
 from . import upstream as U
-from .vs_llama_server import prompt, stream
+from .vs_llama_server import OMP_VARS, prompt, stream
 
 NAME = "kernel_paths"
 PATHS_ENV = "POLYKV_GGML_PATHS"
@@ -74,7 +74,9 @@ def measure_model(cfg: Config, binary: str, model: str, raw: dict[str, Any]) -> 
         urls: dict[str, str] = {}
         argv = [binary, "-m", str(path), *common, "--host", "127.0.0.1", "--port", "{port}",
                 "--no-webui"]  # fmt: skip
-        ls = H.ServerProcess("llama-server-paths", argv, "/health", env=U.llama_server_env(binary))
+        # Every server with the harness's OpenMP wait policy (H.SERVER_ENV), nothing inherited.
+        ls_env = {**U.llama_server_env(binary), **H.SERVER_ENV}
+        ls = H.ServerProcess("llama-server-paths", argv, "/health", env=ls_env)
         stack.enter_context(H.server(ls))
         pids["llama_server"], urls["llama_server"] = ls.pid, ls.base_url
         paths: dict[str, list[str]] = {}
@@ -102,6 +104,8 @@ def measure_model(cfg: Config, binary: str, model: str, raw: dict[str, Any]) -> 
 
 def measure(cfg: Config, binary: str) -> dict[str, Any]:
     os.environ.pop(PATHS_ENV, None)  # "paths on" is the gate's own choice for this CPU
+    for var in OMP_VARS:  # each server gets exactly H.SERVER_ENV's
+        os.environ.pop(var, None)
     raw: dict[str, Any] = {
         "env": R.environment(),
         "llama_server": U.llama_server_info(binary),
@@ -161,9 +165,13 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         "engine's wheel with the kernel paths its gate picks for this CPU "
         f"(ggml variant {raw.get('cpu_variant', '?')}); *paths off*: the same wheel with "
         f"`{PATHS_ENV}=none` (ggml's own kernels, as in llama-server). Median (min–max) of "
-        f"{cfg.reps} repetitions, the servers in rotated order, the others stopped; ratios "
-        "paired per repetition. *Same tokens*: repetitions whose greedy tokens were identical "
-        "(paths on vs off: must be all; vs llama-server: batch shapes may round differently).",
+        f"{cfg.reps} repetitions, the servers in rotated order, the others stopped, every "
+        f"one with the OpenMP wait policy {env.get('omp_wait_policy', '?')}; ratios "
+        "paired per repetition. *Same tokens*: repetitions whose greedy tokens were identical. "
+        "The paths are bit-identical to ggml's kernels (tests/engine/real), but a server's "
+        "steps group concurrent streams differently from run to run (a stream joining a step "
+        "later, prompts beside decodes), and ggml rounds each batch shape its own way: from 4 "
+        "streams, no two runs need agree, on or off, PolyKV or llama-server.",
     ]
     for model in cfg.models:
         on = ", ".join(raw["kernel_paths"][model]["polykv"]) or "none"

@@ -23,6 +23,7 @@ BENCHMARKS = (
     "operator_scale",
     "router_overhead",
     "vs_llama_server",
+    "kernel_paths",
     "newcomer_prefill",
     "long_prefix",
     "unified_attention",
