@@ -250,7 +250,6 @@ def test_json_schema_output_validates_for_sampled_requests(api: httpx.Client) ->
     assert isinstance(json.loads(text_of(any_json)), dict)
 
 
-
 @pytest.mark.parametrize("temperature", [0.0, 0.3])
 def test_ignore_eos_never_emits_an_end_of_generation_token(
     api: httpx.Client, temperature: float
