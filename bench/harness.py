@@ -310,6 +310,7 @@ def engine(
     try:
         yield eng
     finally:
+        report_early_exit(label, eng.proc, eng.log_tail)
         eng.stop()
 
 
@@ -393,7 +394,20 @@ def server(proc: ServerProcess) -> Iterator[ServerProcess]:
     try:
         yield proc
     finally:
+        report_early_exit(proc.label, proc.proc, proc.log_tail)
         proc.stop()
+
+
+def report_early_exit(
+    label: str, proc: subprocess.Popen[bytes] | None, log_tail: Callable[[], str]
+) -> None:
+    """Say so when a server had exited before the benchmark was done with it: its clients
+    then only see refused connections, and a crash (a negative status is the signal that
+    ended it) must not pass for a network error."""
+    if proc is None or proc.poll() is None:
+        return
+    progress(f"{label} (pid {proc.pid}) had exited with status {proc.returncode}; log tail:")
+    progress(log_tail())
 
 
 # ---------------------------------------------------------------------------- clients

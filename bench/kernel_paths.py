@@ -45,6 +45,7 @@ class Config:
     n_predict: int = 96
     threads: int = 2
     flash_attn: str = "on"
+    on: str | None = None  # POLYKV_GGML_PATHS for "paths on"; None: the gate's choice
 
 
 def common_args(cfg: Config) -> list[str]:
@@ -80,7 +81,8 @@ def measure_model(cfg: Config, binary: str, model: str, raw: dict[str, Any]) -> 
         stack.enter_context(H.server(ls))
         pids["llama_server"], urls["llama_server"] = ls.pid, ls.base_url
         paths: dict[str, list[str]] = {}
-        for key, extra in (("polykv", {}), ("polykv_ggml", {PATHS_ENV: "none"})):
+        on = {PATHS_ENV: cfg.on} if cfg.on else {}
+        for key, extra in (("polykv", on), ("polykv_ggml", {PATHS_ENV: "none"})):
             eng = stack.enter_context(
                 H.engine(f"polykv-{key}", path, common, {**H.SERVER_ENV, **extra})
             )
@@ -103,7 +105,8 @@ def measure_model(cfg: Config, binary: str, model: str, raw: dict[str, Any]) -> 
 
 
 def measure(cfg: Config, binary: str) -> dict[str, Any]:
-    os.environ.pop(PATHS_ENV, None)  # "paths on" is the gate's own choice for this CPU
+    os.environ.pop(PATHS_ENV, None)  # "paths on" is the gate's choice unless cfg.on says
+
     for var in OMP_VARS:  # each server gets exactly H.SERVER_ENV's
         os.environ.pop(var, None)
     raw: dict[str, Any] = {
@@ -152,6 +155,15 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def on_text(cfg: Config) -> str:
+    if cfg.on is None:
+        return "the kernel paths its gate picks for this CPU"
+    return (
+        f"`{PATHS_ENV}={cfg.on}` (paths chosen for this measurement, not by the gate: a path "
+        "is measured this way before the gate turns it on for a CPU family)"
+    )
+
+
 def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     env = raw["env"]
     parts = [
@@ -162,7 +174,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         f"`{' '.join(common_args(cfg))}` for every server. *llama-server*: "
         f"{raw['llama_server']['version']}, built by `bench/build_llama_server.sh` from the "
         "llama.cpp tree of the engine's wheel without its patches. *PolyKV, paths on*: the "
-        "engine's wheel with the kernel paths its gate picks for this CPU "
+        f"engine's wheel with {on_text(cfg)} "
         f"(ggml variant {raw.get('cpu_variant', '?')}); *paths off*: the same wheel with "
         f"`{PATHS_ENV}=none` (ggml's own kernels, as in llama-server). Median (min–max) of "
         f"{cfg.reps} repetitions, the servers in rotated order, the others stopped, every "
@@ -201,6 +213,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--n-predict", type=int, default=96)
     p.add_argument("--models", default=",".join(Config.models))
     p.add_argument("--levels", default="1,2,4,8", help="stream counts, comma-separated")
+    p.add_argument(
+        "--on",
+        default=None,
+        help=f"{PATHS_ENV} for the 'paths on' server (default: the gate's choice for this CPU)",
+    )
     R.add_output_flags(p)
     args = p.parse_args(argv)
     if (rc := R.from_json(NAME, args, Config, analyse, render)) is not None:
@@ -210,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         n_predict=args.n_predict,
         models=tuple(args.models.split(",")),
         levels=tuple(int(k) for k in args.levels.split(",")),
+        on=args.on,
     )
     if args.quick:
         cfg.reps, cfg.n_predict, cfg.levels = 1, 16, (1, 8)

@@ -25,9 +25,9 @@
 # weight rows. ggml-cpu-q4_K_M-cols.patch does the same for Q4_K_M's two K-quants: repacked Q4_K
 # weights for the 2-3 tokens ggml's 4-token tiles leave over, and Q6_K (no batched kernel on
 # x86) for up to 8 tokens. Either way the logits stay bit-identical. ggml-cpu-paths.patch
-# gates these kernel paths: each is compiled into the zen4 variant only (the one they were
-# measured on) and runs only on the CPU families it was measured to win on, chosen once from
-# cpuid or from POLYKV_GGML_PATHS (docs/performance.md). The wheel records what it
+# gates these kernel paths: each is compiled into the zen4 and haswell variants only (the ones
+# they were measured on) and runs only on the CPU families it was measured to win on in the
+# variant loaded, chosen once from cpuid or from POLYKV_GGML_PATHS (docs/performance.md). The wheel records what it
 # was built with in llama_cpp/polykv_build.json, which the engine reports in /props, with the
 # paths that run.
 #

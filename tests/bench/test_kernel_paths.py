@@ -53,3 +53,10 @@ def test_the_table_names_the_cpu_the_variant_and_the_paths() -> None:
     assert "Test CPU 9000" in table and "variant zen4" in table
     assert "(paths on: q6_K_cols)" in table
     assert "| 2 | 150 (100–200) | 180 (120–240) | 150 (100–200) | 1.20× (1.20–1.20) |" in table
+
+
+def test_the_table_says_whether_the_gate_or_the_run_chose_the_paths() -> None:
+    data = raw()
+    for on, said in ((None, "its gate picks for this CPU"), ("all", "`POLYKV_GGML_PATHS=all`")):
+        cfg = Config(reps=2, models=(MODEL,), levels=(2,), on=on)
+        assert said in render(cfg, data, analyse(cfg, data))

@@ -1,7 +1,7 @@
 """Which patched kernel paths run (scripts/patches/ggml-cpu-paths.patch): each is compiled into
-the zen4 variant only, runs by default only on the CPU families it was measured to win on,
-and POLYKV_GGML_PATHS chooses them instead. The choice is made once per process, so each case
-runs in a fresh interpreter."""
+the zen4 and haswell variants only, runs by default only on the CPU families it was measured to
+win on in the variant loaded, and POLYKV_GGML_PATHS chooses them instead. The choice is made
+once per process, so each case runs in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from polykv_engine.llama.runtime import KERNEL_PATHS_ENV
 from tests.engine.real.ggml_graphs import ggml
 
 ALL = ["q4_1_rows", "q4_1_cols", "q4_K_cols", "q6_K_cols"]
-MEASURED_VARIANT = "zen4"
+MEASURED_VARIANTS = ("zen4", "haswell")
 PROBE = (
     "import json; from polykv_engine.llama.runtime import init_backend; b = init_backend(); "
     "print(json.dumps({'variant': b.cpu_variant, 'paths': list(b.kernel_paths)}))"
@@ -51,12 +51,13 @@ def cpu_identity() -> tuple[str, int]:
     return fields.get("vendor_id", "?"), int(fields.get("cpu family", "-1"))
 
 
-def measured_to_win(vendor: str, family: int) -> list[str]:
-    """The table in docs/performance.md (kernel paths): Intel Xeon every path; AMD EPYC Zen 4
-    the Q4_1 column path only; any other CPU none."""
-    if (vendor, family) == ("GenuineIntel", 6):
+def measured_to_win(variant: str | None, vendor: str, family: int) -> list[str]:
+    """The table in docs/performance.md (kernel paths): in zen4, an Intel Xeon every path; in
+    zen4 (Zen 4) and haswell (Zen 3), an AMD EPYC the Q4_1 column path only; any other CPU or
+    variant none."""
+    if variant == "zen4" and (vendor, family) == ("GenuineIntel", 6):
         return ALL
-    if (vendor, family) == ("AuthenticAMD", 0x19):
+    if variant in MEASURED_VARIANTS and (vendor, family) == ("AuthenticAMD", 0x19):
         return ["q4_1_cols"]
     return []
 
@@ -67,12 +68,11 @@ def variant() -> str | None:
 
 
 def test_by_default_the_paths_measured_on_this_cpu_family_run(variant: str | None) -> None:
-    expected = measured_to_win(*cpu_identity()) if variant == MEASURED_VARIANT else []
-    assert chosen(None) == (variant, expected), cpu_identity()
+    assert chosen(None) == (variant, measured_to_win(variant, *cpu_identity())), cpu_identity()
 
 
 def test_the_environment_chooses_the_paths(variant: str | None) -> None:
-    compiled = variant == MEASURED_VARIANT
+    compiled = variant in MEASURED_VARIANTS
     assert chosen("none") == (variant, [])
     assert chosen("all") == (variant, ALL if compiled else [])
     # Named ones in any order and spacing; the report keeps the table's order.
