@@ -255,20 +255,22 @@ def test_ignore_eos_never_emits_an_end_of_generation_token(
     api: httpx.Client, temperature: float
 ) -> None:
     """llama-server's ignore_eos bans the end-of-generation tokens (a -inf logit bias), so the
-    output never holds one; decoding on past one would still return it."""
+    output never holds one; decoding on past one would still return it. No prompt reuse: a
+    prompt cached by an earlier test is computed in another batch shape, whose rounding can
+    change where the answer ends (it did on an AMD EPYC Zen 3)."""
     prompt = api.post("/apply-template", json={"messages": ask()}).json()["prompt"]
     eog = {
         api.post("/tokenize", json={"content": t}).json()["tokens"][0]
         for t in ("<|im_end|>", "<|endoftext|>")
     }
-    body = {"prompt": prompt, "n_predict": 64, "temperature": temperature, "seed": 5,
-            "return_tokens": True}  # fmt: skip
+    body = {"prompt": prompt, "n_predict": 128, "temperature": temperature, "seed": 5,
+            "return_tokens": True, "cache_prompt": False}  # fmt: skip
     ended = api.post("/completion", json=body).json()
     assert ended["stop_type"] == "eos"  # the model does end here
     r = api.post("/completion", json={**body, "ignore_eos": True})
     assert r.status_code == 200, r.text
     out = r.json()
-    assert out["stop_type"] == "limit" and len(out["tokens"]) == 64
+    assert out["stop_type"] == "limit" and len(out["tokens"]) == 128
     assert not eog & set(out["tokens"])
     *text, end = ended["tokens"]
     assert end in eog and out["tokens"][: len(text)] == text  # the same text up to there
