@@ -7,6 +7,10 @@ with SIGSTOP so they take no CPU):
 * **PolyKV, floor** — the decoding sessions attach to a pool with a floor
   (``target_tps_per_session``, advisory): the engine paces the newcomer's prompt so each step
   stays within the floor period (``policy.prefill``);
+* **PolyKV, floor, per-query attention** — the same in a second engine whose ggml runs the
+  paced prompt's attention on ggml's per-query kernel (every kernel path the CPU picks but
+  ``fa_runs``, through ``POLYKV_GGML_PATHS``): what the tiled attention of a paced chunk
+  brings, side by side;
 * **PolyKV, no floor** — the same engine, the decoding sessions on a pool without a policy:
   the prompt goes in one step, as the engine did before pacing ("today's");
 * **llama-server** — upstream, built from the same llama.cpp tree
@@ -40,6 +44,8 @@ from typing import Any
 
 import httpx
 
+from polykv_engine.llama.runtime import KERNEL_PATHS_ENV
+
 from . import harness as H
 from . import report as R
 from .engine_client import Api
@@ -47,9 +53,10 @@ from .upstream import llama_server_env, llama_server_or_skip, model_path
 from .workload import filler_tokens, word_text
 
 NAME = "newcomer_prefill"
-SERVERS = ("polykv_floor", "polykv_free", "llama_server")
+SERVERS = ("polykv_floor", "polykv_floor_perquery", "polykv_free", "llama_server")
 LABELS = {
     "polykv_floor": "PolyKV, floor",
+    "polykv_floor_perquery": "PolyKV, floor, per-query attention",
     "polykv_free": "PolyKV, no floor",
     "llama_server": "llama-server",
 }
@@ -197,12 +204,10 @@ def targets(
         assert eng.proc is not None
         api = Api(client, eng.base_url, eng.proc.pid)
         prefix = api.tokenize(PREFIX, add_special=True)
+        floor = {"target_tps_per_session": cfg.floor_tps, "mode": "advisory"}
         for name in ("crew-floor", "crew-free"):
             api.create_pool(name, prefix)
-        api.post(
-            "/polykv/pools/crew-floor/admission",
-            {"target_tps_per_session": cfg.floor_tps, "mode": "advisory"},
-        )
+        api.post("/polykv/pools/crew-floor/admission", floor)
         decoders = [
             prefix + api.tokenize(" " + decoder_prompt(i), add_special=False)
             for i in range(max(cfg.decoders))
@@ -211,6 +216,23 @@ def targets(
             Target("polykv_floor", eng.base_url, eng.proc.pid, "crew-floor"),
             Target("polykv_free", eng.base_url, eng.proc.pid, "crew-free"),
         ]
+        if "polykv_floor_perquery" in cfg.servers:
+            paths = api.get("/props")["polykv"]["cpu_backend"]["kernel_paths"]
+            env = {**H.SERVER_ENV, KERNEL_PATHS_ENV: ",".join(p for p in paths if p != "fa_runs")}
+            with H.paused([eng.proc.pid]):
+                pq = stack.enter_context(
+                    H.engine(
+                        "polykv-newcomer-perquery",
+                        model,
+                        [*common, "--polykv-stream-interval-ms", "0"],
+                        env=env,
+                    )
+                )
+            assert pq.proc is not None
+            pq_api = Api(client, pq.base_url, pq.proc.pid)
+            pq_api.create_pool("crew-floor", prefix)
+            pq_api.post("/polykv/pools/crew-floor/admission", floor)
+            tgts.insert(1, Target("polykv_floor_perquery", pq.base_url, pq.proc.pid, "crew-floor"))
         if binary is not None:
             argv = [binary, "-m", str(model), *common, "-kvu", "--host", "127.0.0.1",
                     "--port", "{port}", "--no-webui"]  # fmt: skip

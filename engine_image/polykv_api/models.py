@@ -651,12 +651,13 @@ class CpuBackend(BaseModel):
     amx: bool = Field(description="AMX kernels present (never in PolyKV's own build)")
     patches: list[str] = Field(
         description="PolyKV's patches to the vendored llama.cpp in this build "
-        "(scripts/patches; speed only, never results); empty for another build"
+        "(scripts/patches; speed only: each result is bit for bit what one of ggml's own "
+        "kernels computes); empty for another build"
     )
     kernel_paths: list[str] = Field(
         description="the patched kernel paths that run here (q4_1_rows, q4_1_cols, q4_K_cols, "
-        "q6_K_cols): by default those measured to win on this CPU family in this variant, "
-        "or the ones POLYKV_GGML_PATHS names; elsewhere ggml's own kernels run"
+        "q6_K_cols, fa_runs): by default those measured to win on this CPU family in this "
+        "variant, or the ones POLYKV_GGML_PATHS names; elsewhere ggml's own kernels run"
     )
     threads: int = Field(
         description="compute threads for decoding (-t; by default the cores "

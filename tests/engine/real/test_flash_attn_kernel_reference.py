@@ -14,7 +14,8 @@ shared by three sequences, five sequences' cells interleaved one in five after i
 masked query row and a query whose few cells sit on block and word edges. The kernel reaches
 the patched function on two paths, and both are run, on 1 and 2 threads:
   * several query rows (fewer than GGML_FA_TILE_Q = 64, else ggml takes its tiled kernel):
-    each row scans all cells;
+    each row scans all cells. The rows here belong to different sequences, so the fa_runs path
+    (test_flash_attn_runs.py), which tiles runs of one sequence's rows, leaves them here;
   * one query row over 512 cells or more: the cells are split into one chunk per thread (here
     707 cells: 0..353 and 354..706, the second starting mid-word) and the partials merged.
 

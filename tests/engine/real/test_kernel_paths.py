@@ -16,7 +16,7 @@ import pytest
 from polykv_engine.llama.runtime import KERNEL_PATHS_ENV
 from tests.engine.real.ggml_graphs import ggml
 
-ALL = ["q4_1_rows", "q4_1_cols", "q4_K_cols", "q6_K_cols"]
+ALL = ["q4_1_rows", "q4_1_cols", "q4_K_cols", "q6_K_cols", "fa_runs"]
 MEASURED_VARIANTS = ("zen4", "haswell")
 PROBE = (
     "import json; from polykv_engine.llama.runtime import init_backend; b = init_backend(); "
@@ -53,13 +53,16 @@ def cpu_identity() -> tuple[str, int]:
 
 def measured_to_win(variant: str | None, vendor: str, family: int) -> list[str]:
     """The table in docs/performance.md (kernel paths): in zen4, an Intel Xeon every path; in
-    zen4 (Zen 4) and haswell (Zen 3), an AMD EPYC the Q4_1 column path only; any other CPU or
-    variant none."""
+    zen4 (Zen 4) and haswell (Zen 3), an AMD EPYC the Q4_1 column path and the attention path;
+    any other CPU in those variants the attention path (ggml's own tiled kernel, on fewer
+    rows); any other variant none."""
+    if variant not in MEASURED_VARIANTS:
+        return []
     if variant == "zen4" and (vendor, family) == ("GenuineIntel", 6):
         return ALL
-    if variant in MEASURED_VARIANTS and (vendor, family) == ("AuthenticAMD", 0x19):
-        return ["q4_1_cols"]
-    return []
+    if (vendor, family) == ("AuthenticAMD", 0x19):
+        return ["q4_1_cols", "fa_runs"]
+    return ["fa_runs"]
 
 
 @pytest.fixture(scope="module")
