@@ -28,10 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 PACE = 0.85  # a paced step aims at this share of the floor period (the rest is loop time)
-# The smallest prompt chunk worth a step. With a chunk's attention on ggml's tiled kernel (the
-# fa_runs kernel path) 8 tokens cost about 10% more per token than 16; 16 at the end of an 8k
-# prompt took two floor periods a step on a 2-core Zen 3.
-MIN_CHUNK = 8
+MIN_CHUNK = 16  # the smallest prompt chunk worth a step
 FIRST_CHUNK = 32  # the first chunk, before any prompt step was timed
 COST_ALPHA = 0.5  # weight of the last prompt step in the per-token cost
 
