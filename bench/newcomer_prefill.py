@@ -170,17 +170,19 @@ def one_run(
     before = [b - a for ts in times for a, b in itertools.pairwise(ts) if b < t_send]
     # Each session's longest wait for a token from the arrival until its first token after
     # the newcomer's first: the whole prefill lies inside that window.
-    during = []
+    during: list[tuple[float, float]] = []  # (longest gap, when it began after the arrival)
     for ts in times:
         after = [t for t in ts if t > t_send]
         window = [t_send] + [t for t in after if t <= t_first]
         window += [t for t in after if t > t_first][:1]
-        during.append(max(b - a for a, b in itertools.pairwise(window)))
+        during.append(max((b - a, a - t_send) for a, b in itertools.pairwise(window)))
+    longest = max(during)
     return {
         "ttft_s": t_first - t_send,
         "gap_before_median_s": statistics.median(before),
-        "gap_during_max_s": max(during),
-        "gap_during_per_session_s": during,
+        "gap_during_max_s": longest[0],
+        "gap_during_max_began_s": longest[1],  # after the arrival: where to look for its cause
+        "gap_during_per_session_s": [gap for gap, _ in during],
         "foreign_cpu_cores": cpu.foreign_cores,
     }
 
@@ -260,7 +262,8 @@ def measure(cfg: Config, binary: str | None) -> dict[str, Any]:
                         H.progress(
                             f"rep {rep + 1}/{cfg.reps} {n} tokens, {k} decoding, "
                             f"{LABELS[tgt.key]:<17} first token {run['ttft_s']:6.2f} s, "
-                            f"largest gap {run['gap_during_max_s']:6.2f} s (before: "
+                            f"largest gap {run['gap_during_max_s']:6.2f} s "
+                            f"{run['gap_during_max_began_s']:.1f} s in (before: "
                             f"{1e3 * run['gap_before_median_s']:.0f} ms)"
                         )
                         raw["runs"].append(
