@@ -3,17 +3,17 @@ own Q4_1 kernel computes, bit for bit.
 
 With flash attention on, llama.cpp's CPU logits do not depend on how tokens are batched: each
 weight product is one dot product per (weight row, token), however many tokens share the step
-(checked on the unpatched build too), and a row's attention depends only on the kernel it
-takes: a row alone (a decoding session's token) the per-query kernel, one sequence's
-consecutive rows the tiled one (the fa_runs kernel path, tests/engine/real/
-test_flash_attn_runs.py), whatever else shares the tile. The patch sends a step of several tokens through a
-kernel that unpacks each weight block once for up to 8 tokens, and a step of one token
-through one that reads the token's block once for 4 weight rows; ggml's kernel is left for the
-remainders. Each keeps the single kernel's arithmetic per pair, so a batch's logits must
-equal, bit for bit, those of the same tokens decoded one at a time: a column mixed up, a row
-skipped or a scale applied to the wrong token would change them. The counts cover full groups
-and remainders (11 sessions: 8 + 3; a 37-token prompt: 4 x 8 + 5, against the same prompt 5
-tokens a step: 7 x 5 + 2, never a row alone, so its attention stays on one kernel)."""
+(checked on the unpatched build too), and a row's attention depends only on the kernel it takes:
+a row alone (a decoding session's token) the per-query kernel, one sequence's consecutive rows
+the tiled one (the fa_runs kernel path, test_flash_attn_runs.py), whatever else shares the tile.
+The patch sends a step of several tokens through a kernel that unpacks each weight block once
+for up to 8 tokens, and a step of one token through one that reads the token's block once for 4
+weight rows; ggml's kernel is left for the remainders. Each keeps the single kernel's arithmetic
+per pair, so a batch's logits must equal, bit for bit, those of the same tokens decoded in
+smaller steps: a column mixed up, a row skipped or a scale applied to the wrong token would
+change them. The counts cover full groups and remainders (11 sessions: 8 + 3; a 37-token prompt:
+4 x 8 + 5, against the same prompt 5 tokens a step: 7 x 5 + 2, never a row alone, so its
+attention stays on one kernel)."""
 
 from __future__ import annotations
 
