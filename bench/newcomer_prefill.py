@@ -194,15 +194,10 @@ def targets(
     """The servers, the engine's API (its tokenizer), and the decoding sessions' prompts."""
     common = ["-np", str(max(cfg.decoders) + 1), "-c", str(cfg.ctx), "-t", str(cfg.threads),
               "-fa", cfg.flash_attn]  # fmt: skip
+    engine_args = [*common, "--metrics", "--polykv-stream-interval-ms", "0"]
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(H.http_client())
-        eng = stack.enter_context(
-            H.engine(
-                "polykv-newcomer",
-                model,
-                [*common, "--metrics", "--polykv-stream-interval-ms", "0"],
-            )
-        )
+        eng = stack.enter_context(H.engine("polykv-newcomer", model, engine_args))
         assert eng.proc is not None
         api = Api(client, eng.base_url, eng.proc.pid)
         prefix = api.tokenize(PREFIX, add_special=True)
@@ -223,12 +218,7 @@ def targets(
             env = {**H.SERVER_ENV, KERNEL_PATHS_ENV: ",".join(p for p in paths if p != "fa_runs")}
             with H.paused([eng.proc.pid]):
                 pq = stack.enter_context(
-                    H.engine(
-                        "polykv-newcomer-perquery",
-                        model,
-                        [*common, "--polykv-stream-interval-ms", "0"],
-                        env=env,
-                    )
+                    H.engine("polykv-newcomer-perquery", model, engine_args, env=env)
                 )
             assert pq.proc is not None
             pq_api = Api(client, pq.base_url, pq.proc.pid)
@@ -321,6 +311,12 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         if "llama_server" in cfg.servers
         else "llama-server not run this time (`--servers`)"
     )
+    perquery = (
+        "PolyKV, floor, per-query attention: a second engine, paced as the first, whose ggml "
+        "runs the prompt chunks' attention on its per-query kernel (kernel path `fa_runs` off); "
+        if "polykv_floor_perquery" in cfg.servers
+        else ""
+    )
     lines = [
         f"### A newcomer's prompt while sessions decode ({cfg.model}, floor "
         f"{cfg.floor_tps:g} tok/s)",
@@ -330,9 +326,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         f"token after the newcomer's, in floor periods ({period_ms:.0f} ms; the target is "
         f"≤ 1.5). *First token*: the newcomer's. PolyKV, floor: the sessions' pool has the floor "
         f"and the engine paces the prompt; PolyKV, no floor: the same engine, the prompt in one "
-        f"step (the engine before pacing); PolyKV, floor, per-query attention: a second engine, "
-        f"paced as the first, whose ggml runs the prompt chunks' attention on its per-query "
-        f"kernel (kernel path `fa_runs` off); all on PolyKV's llama-cpp-python "
+        f"step (the engine before pacing); {perquery}all on PolyKV's llama-cpp-python "
         f"{env.get('llama_cpp_python', '?')} wheel with its ggml patches; {ls_build}. "
         f"Median (min–max) of "
         f"{cfg.reps} repetitions, the servers alternating; `-np {max(cfg.decoders) + 1} -c "
