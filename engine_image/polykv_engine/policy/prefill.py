@@ -9,12 +9,16 @@ sized so the step lasts about ``PACE`` × the tightest floor period of the sessi
 (a 5 tok/s floor: 200 ms). Every such step also carries each decoding session's token, so
 between any two prompt chunks every decoding session gets a token. Where the decoding
 sessions' own step already takes most of the period (the engine is over its floor, or the
-machine is busy), the prompt still gets as much time per step as their decode does, and
-never less than ``MIN_CHUNK`` tokens: their gap at most doubles while the prompt goes in,
-rather than the prompt starving (on a machine loaded to 30x its usual step time, a
-starved 2,000-token prompt took ten minutes). ``--polykv-prefill-budget N`` fixes the
-budget instead (vLLM's chunked-prefill token budget); with no floor among the decoding
-sessions and no fixed budget a step takes as much prompt as the batch holds, as before.
+machine is busy), the prompt still gets as much time per step as their decode does: their
+gap at most doubles while the prompt goes in, rather than the prompt starving (on a machine
+loaded to 30x its usual step time, a starved 2,000-token prompt took ten minutes). A chunk is
+never smaller than ``MIN_CHUNK`` tokens (smaller ones cost more per token), unless even that
+would stretch the step past ``STRETCH`` floor periods: deep in a long prompt every token
+attends to thousands of cells (8,000 tokens of SmolLM2 on 2 cores: ~20 ms a token late in
+the prompt), and 16 of them held four sessions 2.4 periods; then down to ``FEWEST_ROWS``.
+``--polykv-prefill-budget N`` fixes the budget instead (vLLM's chunked-prefill token
+budget); with no floor among the decoding sessions and no fixed budget a step takes as much
+prompt as the batch holds, as before.
 
 The step-time model: t(k) = t_dec(b) + k × c, where t_dec(b) is the engine's measured time
 of a decode-only step with b sessions (``policy.step_time``) and c the cost of one prompt
@@ -29,6 +33,8 @@ from dataclasses import dataclass
 
 PACE = 0.85  # a paced step aims at this share of the floor period (the rest is loop time)
 MIN_CHUNK = 16  # the smallest prompt chunk worth a step
+STRETCH = 1.2  # ... unless it would stretch the step past this many floor periods
+FEWEST_ROWS = 8  # ... and never fewer: at 4 rows a prompt token cost twice what it did at 16
 FIRST_CHUNK = 32  # the first chunk, before any prompt step was timed
 COST_ALPHA = 0.5  # weight of the last prompt step in the per-token cost
 
@@ -60,7 +66,9 @@ class PrefillModel:
             return min(FIRST_CHUNK, capacity)
         t_dec = t_dec or 0.0
         room = max(PACE * period_s - t_dec, t_dec)
-        return min(capacity, max(MIN_CHUNK, int(room / self.token_s)))
+        fit = int((STRETCH * period_s - t_dec) / self.token_s)
+        smallest = max(FEWEST_ROWS, min(MIN_CHUNK, fit))
+        return min(capacity, max(smallest, int(room / self.token_s)))
 
     def step_s(self, period_s: float | None, t_dec: float, pending: int, capacity: int) -> float:
         """How long a step takes while ``pending`` prompt tokens are paced beside sessions

@@ -17,8 +17,11 @@ and has its own block of cells), and a 12-row chunk of a sliding-window sequence
     small-integer V: float32 sums of integers are exact) and within float32 rounding (random
     inputs);
   * the chunk's rows are bit-identical to the same rows in a batch of 64 rows or more, where
-    ggml takes its tiled kernel for every row (upstream's choice), and differ from the
-    per-query kernel's result (evidence that the tiled kernel ran);
+    ggml takes its tiled kernel for every row (upstream's choice), and to the chunk alone
+    (with no decoders beside it), and differ from the per-query kernel's result (evidence
+    that the tiled kernel ran). With a mask, the tiled kernel packs into a tile only cells
+    that some row of the tile sees (the decoders' cells interleave with a paced prompt's),
+    so which cells share a tile depends on the tile's rows, never a row's arithmetic;
   * the decoding sessions' rows are bit-identical to a batch of decoding rows alone: what else
     is in a step does not change a session's arithmetic.
 """
@@ -93,7 +96,9 @@ def filler_rows(n: int) -> np.ndarray:
     return live
 
 
-RUN_ROWS = list(range(DECODERS, DECODERS + len(CHUNK) + len(SWA_ROWS)))
+CHUNK_ROWS = list(range(DECODERS, DECODERS + len(CHUNK)))
+SWA_RUN_ROWS = list(range(DECODERS + len(CHUNK), DECODERS + len(CHUNK) + len(SWA_ROWS)))
+RUN_ROWS = CHUNK_ROWS + SWA_RUN_ROWS
 
 
 def inputs(
@@ -216,11 +221,19 @@ def test_the_runs_are_ggmls_tiled_kernel_and_decoders_keep_theirs(n_threads: int
     q, k, v = inputs(np.random.default_rng(23), len(live), exact=False)
     step = ggml_attention(q, k, v, live, n_threads)
 
-    # The same rows in a batch of 64 rows or more: ggml tiles every row there.
-    filler = filler_rows(FA_TILE_Q)
-    q_big = np.concatenate([q, inputs(np.random.default_rng(24), len(filler), False)[0]])
-    big = ggml_attention(q_big, k, v, np.vstack([live, filler]), n_threads)
-    assert np.array_equal(step[RUN_ROWS], big[RUN_ROWS])
+    # Each run in a batch of 64 rows or more, where ggml tiles every row (upstream's choice),
+    # padded with copies of its first row: a tile there sees the cells the run sees, so it
+    # packs the same cells in the same order, and the run's rows come out bit for bit.
+    for run in (CHUNK_ROWS, SWA_RUN_ROWS):
+        pad = FA_TILE_Q - len(run)
+        rows = run + [run[0]] * pad
+        big = ggml_attention(q[rows], k, v, live[rows], n_threads)
+        assert np.array_equal(step[run], big[: len(run)])
+
+    # Each run alone in a batch: the decoders and their interleaved cells beside it change
+    # none of its bits (a tile packs only cells that its rows see).
+    for run in (CHUNK_ROWS, SWA_RUN_ROWS):
+        assert np.array_equal(step[run], ggml_attention(q[run], k, v, live[run], n_threads))
 
     # Each run row alone (one row: the per-query kernel) rounds differently.
     alone = np.concatenate(

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from polykv_engine.policy.prefill import (
+    FEWEST_ROWS,
     FIRST_CHUNK,
     MIN_CHUNK,
     PACE,
+    STRETCH,
     PrefillModel,
     PrefillPacer,
 )
@@ -67,8 +69,22 @@ def test_a_floor_the_decode_step_already_misses_still_lets_the_prompt_in() -> No
     assert pacer.budget(0.2, 0.64, CAP) == 64
     # Never below the smallest chunk.
     assert pacer.budget(0.2, 0.001, CAP) == int((PACE * 0.2 - 0.001) / 0.01)
-    pacer.record(40, 40.0, 0.02)  # a very slow step: about 1 s a token now
-    assert pacer.budget(0.2, 0.02, CAP) == MIN_CHUNK
+    pacer.record(40, 40.0, 0.02)  # a very slow step: about 0.5 s a token now
+    # Even one token stretches the step past the floor: the fewest rows worth a step.
+    assert pacer.budget(0.2, 0.02, CAP) == FEWEST_ROWS
+
+
+def test_deep_in_a_long_prompt_a_chunk_shrinks_to_keep_the_step_near_the_period() -> None:
+    pacer = PrefillPacer()
+    # 10 ms a prompt token: the period's room holds 13, so the smallest chunk (16) goes in.
+    pacer.record(10, 0.132, 0.032)
+    assert pacer.budget(0.2, 0.032, CAP) == MIN_CHUNK
+    # 23 ms a token (8,000 tokens in): 16 would hold the decoding sessions 1.8 periods;
+    # the chunk shrinks to what fits in STRETCH periods beside their decode.
+    pacer = PrefillPacer()
+    pacer.record(10, 0.262, 0.032)
+    assert pacer.budget(0.2, 0.032, CAP) == int((STRETCH * 0.2 - 0.032) / 0.023)
+    assert 0.032 + pacer.budget(0.2, 0.032, CAP) * 0.023 <= STRETCH * 0.2
 
 
 def test_the_tightest_floor_decides_and_sessions_without_one_take_the_default() -> None:
