@@ -89,13 +89,6 @@ def step_rows() -> np.ndarray:
     return np.vstack([decoder_rows(), chunk_rows(), swa_rows()])
 
 
-def filler_rows(n: int) -> np.ndarray:
-    """n rows of one cell each, all different: they only make a batch of 64 rows or more."""
-    live = np.zeros((n, N_KV), dtype=bool)
-    live[np.arange(n), np.arange(n) * 7 % N_KV] = True
-    return live
-
-
 CHUNK_ROWS = list(range(DECODERS, DECODERS + len(CHUNK)))
 SWA_RUN_ROWS = list(range(DECODERS + len(CHUNK), DECODERS + len(CHUNK) + len(SWA_ROWS)))
 RUN_ROWS = CHUNK_ROWS + SWA_RUN_ROWS
