@@ -15,10 +15,13 @@ ggml's generic vec-dot path, which is the path the Q4_1 patch changes.
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
+import os
 import re
 import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
@@ -27,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from polykv_engine.llama.runtime import BackendInfo, init_backend
+from polykv_engine.llama.runtime import KERNEL_PATHS_ENV, BackendInfo, init_backend
 
 # ggml_type values (ggml.h) of the types these tests use.
 GGML_TYPE_F32 = 0
@@ -189,6 +192,28 @@ class Graph:
         raw = ctypes.string_at(self.g.base.ggml_get_data(out), int(np.prod(shape)) * dtype.itemsize)
         result: np.ndarray = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
         return result
+
+
+def _choose_paths(paths: str) -> None:
+    os.environ[KERNEL_PATHS_ENV] = paths
+
+
+def loaded_paths() -> tuple[str, ...]:
+    """The kernel paths that run in this process."""
+    return tuple(ggml().backend.kernel_paths)
+
+
+@cache
+def paths_process(paths: str) -> ProcessPoolExecutor:
+    """A child process whose ggml runs only the kernel paths named (POLYKV_GGML_PATHS: ggml
+    decides once per process), to compute there what a path replaces here: a module-level
+    function submitted to it runs on the child's ggml."""
+    return ProcessPoolExecutor(
+        1,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_choose_paths,
+        initargs=(paths,),
+    )
 
 
 def cpu_module() -> Path:

@@ -11,11 +11,13 @@ ggml_flash_attn_ext runs as a one-op graph on the CPU module the engine loads
 (ggml_graphs.py), with F16 K and V as in the engine's cache, four query heads over two KV
 heads (grouped-query attention, as SmolLM2) and a mask shaped like a unified cache's: a prefix
 shared by three sequences, five sequences' cells interleaved one in five after it, a fully
-masked query row and a query whose few cells sit on block and word edges. The kernel reaches
-the patched function on two paths, and both are run, on 1 and 2 threads:
+masked query row and a query whose few cells sit on block and word edges. It runs in a child
+process with PolyKV's kernel paths off: where the fa_runs path runs (test_flash_attn_runs.py),
+it takes every row under 64 to ggml's tiled kernel, and this kernel runs on the CPUs where it
+does not. The kernel reaches the patched function on two paths, and both are run, on 1 and 2
+threads:
   * several query rows (fewer than GGML_FA_TILE_Q = 64, else ggml takes its tiled kernel):
-    each row scans all cells. The rows here belong to different sequences, so the fa_runs path
-    (test_flash_attn_runs.py), which tiles runs of one sequence's rows, leaves them here;
+    each row scans all cells;
   * one query row over 512 cells or more: the cells are split into one chunk per thread (here
     707 cells: 0..353 and 354..706, the second starting mid-word) and the partials merged.
 
@@ -48,6 +50,8 @@ from tests.engine.real.ggml_graphs import (
     cpu_module,
     disassembly,
     ggml,
+    loaded_paths,
+    paths_process,
     require_avx2,
 )
 
@@ -153,7 +157,15 @@ def ggml_attention(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, live: np.ndarray, n_threads: int
 ) -> np.ndarray:
     """ggml_flash_attn_ext on q [rows, heads, d] (F32), k and v [kv heads, cells, d] (F16),
-    with live's mask; float32 [rows, heads, d]."""
+    with live's mask; float32 [rows, heads, d]. Computed in a process with every kernel path
+    off: the fa_runs path (test_flash_attn_runs.py) takes every row under 64 where it runs."""
+    pool = paths_process("none")
+    return pool.submit(attention_here, q, k, v, live, n_threads).result(timeout=600)
+
+
+def attention_here(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, live: np.ndarray, n_threads: int
+) -> np.ndarray:
     rows = q.shape[0]
     mask = mask_of(live)
     size = q.nbytes + k.nbytes + v.nbytes + mask.nbytes + q.nbytes
@@ -232,6 +244,10 @@ def test_the_loaded_cpu_module_carries_the_patched_flash_attention() -> None:
         f"{cpu_module().name} has no live-cell scan: not the patched build"
     )
     assert "ggml-cpu-fa-live-cells" in ggml().backend.patches
+
+
+def test_the_kernel_runs_with_the_attention_path_off() -> None:
+    assert "fa_runs" not in paths_process("none").submit(loaded_paths).result(timeout=600)
 
 
 def test_the_mask_covers_the_edges() -> None:

@@ -1,14 +1,14 @@
-"""Attention of a paced prompt chunk (scripts/patches/ggml-cpu-tiled-fa-runs.patch) against
-numpy and against ggml's own tiled kernel.
+"""Attention under 64 query rows (scripts/patches/ggml-cpu-tiled-fa-runs.patch): decoding
+sessions and a paced prompt chunk, against numpy and against ggml's own tiled kernel.
 
 Below GGML_FA_TILE_Q (64) query rows ggml runs its per-query kernel, which visits every
-(row, cell) pair alone. A prompt paced beside decoding sessions arrives in chunks of 16-60
-tokens, so at 8k tokens of context its chunks spent most of their step there. The patch groups
-consecutive rows that see the same cells but one or two (one sequence's consecutive prompt
-tokens; a sliding window drops its oldest cell as it adds one) into runs, and runs of two rows
-or more take ggml's tiled kernel, computing only the run's rows, with the query heads that read
-one KV head in one tile (here 2 of the 4 heads per KV head: K and V converted once for both).
-Rows of different sequences (decoding sessions) stay on the per-query kernel.
+(row, head, cell) alone. Decoding sessions are a row each, and a prompt paced beside them
+arrives in chunks of 8-60 tokens, so at 8k tokens of context both spent most of their step
+there. The patch groups consecutive rows that see the same cells but one or two (one
+sequence's consecutive prompt tokens; a sliding window drops its oldest cell as it adds one)
+into runs, a row alone being a run of one, and every run takes ggml's tiled kernel, computing
+only the run's rows, with the query heads that read one KV head in one tile (here 2 of the 4
+heads per KV head: K and V converted once for both).
 
 The batch here is a paced step in a unified cache: four decoding sessions over a shared prefix
 with their cells interleaved after it, a newcomer's 20-token prompt chunk (it shares the prefix
@@ -17,13 +17,17 @@ and has its own block of cells), and a 12-row chunk of a sliding-window sequence
     small-integer V: float32 sums of integers are exact) and within float32 rounding (random
     inputs);
   * the chunk's rows are bit-identical to the same rows in a batch of 64 rows or more, where
-    ggml takes its tiled kernel for every row (upstream's choice), and to the chunk alone
-    (with no decoders beside it), and differ from the per-query kernel's result (evidence
-    that the tiled kernel ran). With a mask, the tiled kernel packs into a tile only cells
-    that some row of the tile sees (the decoders' cells interleave with a paced prompt's),
-    so which cells share a tile depends on the tile's rows, never a row's arithmetic;
-  * the decoding sessions' rows are bit-identical to a batch of decoding rows alone: what else
-    is in a step does not change a session's arithmetic.
+    ggml takes its tiled kernel for every row (upstream's choice), to the chunk alone (with
+    no decoders beside it) and to each row alone, and every row differs from the per-query
+    kernel's result (computed with the path off: evidence that the tiled kernel ran). With a
+    mask, the tiled kernel packs into a tile only cells that some row of the tile sees (the
+    decoders' cells interleave with a paced prompt's), so which cells share a tile depends on
+    the tile's rows, never a row's arithmetic. Both paths attend span by span (1,024 cells
+    each, so that a few rows can split a long cache across the threads) and fold the spans
+    in one order, whatever the number of threads;
+  * the decoding sessions' rows are bit-identical to a batch of decoding rows alone and to
+    each session alone (one row, where upstream splits the cells by thread): what else is in
+    a step does not change a session's arithmetic.
 """
 
 from __future__ import annotations
@@ -36,20 +40,22 @@ from tests.engine.real.ggml_graphs import (
     GGML_TYPE_F32,
     Graph,
     ggml,
+    paths_process,
     require_avx2,
 )
 
 HEAD_DIM = 64
 N_HEAD, N_HEAD_KV = 4, 2
 SCALE = HEAD_DIM**-0.5
-N_KV = 707  # a ragged last KV tile (707 = 11 x 64 + 3)
-PREFIX = 300  # cells 0..299: the pool's prefix, shared by the decoders and the newcomer
-DECODERS = 4  # their cells interleave one in four from PREFIX to 499
-NEWCOMER = range(500, 600)  # the newcomer's prompt cells, in order
-CHUNK = range(560, 580)  # the chunk's rows: these prompt positions (20 rows)
-SWA_CELLS = range(600, N_KV)  # a sliding-window sequence's cells
+N_KV = 2115  # a ragged last KV tile (2115 = 33 x 64 + 3), three spans of 1024 cells
+SPAN = 1024  # POLYKV_FA_SPAN: the kernel folds the cells span by span
+PREFIX = 700  # cells 0..699: the pool's prefix, shared by the decoders and the newcomer
+DECODERS = 4  # their cells interleave one in four from PREFIX to 999
+NEWCOMER = range(1000, 1100)  # the newcomer's prompt cells, in order
+CHUNK = range(1014, 1034)  # the chunk's rows (20): the first ten see nothing of the 2nd span
+SWA_CELLS = range(1950, N_KV)  # a sliding-window sequence's cells
 SWA_WINDOW = 64
-SWA_ROWS = range(694, 706)  # its chunk: each row sees the last SWA_WINDOW cells up to its own
+SWA_ROWS = range(2102, 2114)  # its chunk: each row sees the last SWA_WINDOW cells up to its own
 FA_TILE_Q = 64
 EPS32 = 2.0**-23
 U32 = 2.0**-24  # unit roundoff of float32
@@ -63,9 +69,9 @@ def avx2() -> None:
 def decoder_rows() -> np.ndarray:
     live = np.zeros((DECODERS, N_KV), dtype=bool)
     live[:, :PREFIX] = True
-    owner = (np.arange(PREFIX, 500) - PREFIX) % DECODERS
+    owner = (np.arange(PREFIX, NEWCOMER.start) - PREFIX) % DECODERS
     for s in range(DECODERS):
-        live[s, PREFIX:500] = owner == s
+        live[s, PREFIX : NEWCOMER.start] = owner == s
     return live
 
 
@@ -188,6 +194,11 @@ def test_the_step_is_shaped_like_a_paced_step() -> None:
     assert (diffs[swa : swa + len(SWA_ROWS) - 1] == 2).all()
     assert diffs[DECODERS - 1] > 2 and diffs[swa - 1] > 2
     assert live[:, N_KV // 64 * 64 :].any()  # the ragged last KV tile is read
+    # Both runs read cells on either side of a span boundary; some chunk rows see none past it.
+    for run in (chunk_rows(), swa_rows()):
+        spans = {int(c) // SPAN for c in np.flatnonzero(run.any(axis=0))}
+        assert len(spans) == 2, spans
+    assert not chunk_rows()[0, SPAN:].any()
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
@@ -200,12 +211,12 @@ def test_every_row_sees_exactly_its_cells(n_threads: int) -> None:
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
-def test_the_runs_match_softmax_attention(n_threads: int) -> None:
+def test_every_row_matches_softmax_attention(n_threads: int) -> None:
     live = step_rows()
     q, k, v = inputs(np.random.default_rng(22), len(live), exact=False)
     got = ggml_attention(q, k, v, live, n_threads)
-    want, tol = reference(q[RUN_ROWS], k, v, live[RUN_ROWS])
-    check(got[RUN_ROWS], want, tol, f"softmax, {n_threads} threads")
+    want, tol = reference(q, k, v, live)
+    check(got, want, tol, f"softmax, {n_threads} threads")
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
@@ -228,15 +239,22 @@ def test_the_runs_are_ggmls_tiled_kernel_and_decoders_keep_theirs(n_threads: int
     for run in (CHUNK_ROWS, SWA_RUN_ROWS):
         assert np.array_equal(step[run], ggml_attention(q[run], k, v, live[run], n_threads))
 
-    # Each run row alone (one row: the per-query kernel) rounds differently.
-    alone = np.concatenate(
-        [ggml_attention(q[[r]], k, v, live[[r]], n_threads) for r in RUN_ROWS[:4]]
-    )
-    assert not np.array_equal(step[RUN_ROWS[:4]], alone)
+    # Each row alone in a batch (a run row: the cells after its own come last in its run's
+    # tiles; a decoder: upstream would split its cells by thread): the same bits.
+    for r in [*RUN_ROWS[:4], *range(DECODERS)]:
+        assert np.array_equal(step[r], ggml_attention(q[[r]], k, v, live[[r]], n_threads)[0])
 
     # The decoders alone, as in a step without the newcomer: the same bits.
     decoders = ggml_attention(q[:DECODERS], k, v, live[:DECODERS], n_threads)
     assert np.array_equal(step[:DECODERS], decoders)
+
+    # With the path off, the per-query kernel rounds every row otherwise.
+    pool = paths_process("none")
+    per_query = pool.submit(ggml_attention, q, k, v, live, n_threads).result(timeout=600)
+    assert not (step == per_query).all(axis=(1, 2)).any()
+
+    # The threads share a run's spans out among them; the bits do not depend on how many.
+    assert np.array_equal(step, ggml_attention(q, k, v, live, 3 - n_threads))
 
 
 def test_the_comparisons_can_fail() -> None:
