@@ -18,14 +18,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from . import harness as H
 from . import report as R
 from . import upstream as U
-from .vs_llama_server import OMP_VARS, prompt, stream
+from .vs_llama_server import OMP_VARS, prompt, same_answer, stream
 
 NAME = "kernel_paths"
 PATHS_ENV = "POLYKV_GGML_PATHS"
@@ -62,9 +62,23 @@ def decode(base_url: str, cfg: Config, model: str, rep: int, k: int) -> dict[str
             for i in range(k)
         ]
         runs = H.run_together(fns, lambda: None)
-    spans = [(first, last) for _, first, last, _ in runs]
-    decoded = sum(len(toks) - 1 for *_, toks in runs)
-    return {"decode_tps": decoded / H.merged_length(spans), "tokens": [r[3] for r in runs]}
+    spans = [(r.t_first, r.t_last) for r in runs]
+    decoded = sum(r.n_decoded - 1 for r in runs)
+    return {
+        "decode_tps": decoded / H.merged_length(spans),
+        "tokens": [r.tokens for r in runs],
+        "texts": [r.text for r in runs],
+    }
+
+
+def same_streams(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two runs' streams all agree (``same_answer``: by text where one lacks ids)."""
+    a_texts = a.get("texts") or [None] * len(a["tokens"])
+    b_texts = b.get("texts") or [None] * len(b["tokens"])
+    return all(
+        same_answer(x, y, sx, sy)
+        for x, y, sx, sy in zip(a["tokens"], b["tokens"], a_texts, b_texts, strict=True)
+    )
 
 
 def measure_model(cfg: Config, binary: str, model: str, raw: dict[str, Any]) -> None:
@@ -144,10 +158,10 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
             # Greedy tokens: the two PolyKV columns must agree exactly (the paths are
             # bit-identical); llama-server batches differently and may round differently.
             row["same_tokens_paths"] = sum(
-                cell[rep, "polykv"]["tokens"] == cell[rep, "polykv_ggml"]["tokens"] for rep in reps
+                same_streams(cell[rep, "polykv"], cell[rep, "polykv_ggml"]) for rep in reps
             )
             row["same_tokens_upstream"] = sum(
-                cell[rep, "polykv"]["tokens"] == cell[rep, "llama_server"]["tokens"] for rep in reps
+                same_streams(cell[rep, "polykv"], cell[rep, "llama_server"]) for rep in reps
             )
             row["reps"] = len(reps)
             per[str(k)] = row
@@ -169,7 +183,7 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     parts = [
         "### Kernel paths on and off against llama-server",
         "",
-        f"Measured on an {env['cpu']} ({env['cpu_count']} cores). Greedy decode, "
+        f"Measured on an {R.machine_name(env)}, {env['cpu_count']} cores. Greedy decode, "
         f"{cfg.n_predict} tokens per stream, k streams released together; "
         f"`{' '.join(common_args(cfg))}` for every server. *llama-server*: "
         f"{raw['llama_server']['version']}, built by `bench/build_llama_server.sh` from the "
@@ -179,7 +193,9 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         f"`{PATHS_ENV}=none` (ggml's own kernels, as in llama-server). Median (min–max) of "
         f"{cfg.reps} repetitions, the servers in rotated order, the others stopped, every "
         f"one with the OpenMP wait policy {env.get('omp_wait_policy', '?')}; ratios "
-        "paired per repetition. *Same tokens*: repetitions whose greedy tokens were identical. "
+        "paired per repetition. *Same tokens*: repetitions whose greedy tokens were identical "
+        "(compared by text where llama-server streamed no id for a token that ends inside a "
+        "UTF-8 character). "
         "The paths are bit-identical to ggml's kernels (tests/engine/real), but a server's "
         "steps group concurrent streams differently from run to run (a stream joining a step "
         "later, prompts beside decodes), and ggml rounds each batch shape its own way: from 4 "

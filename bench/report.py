@@ -40,11 +40,16 @@ def med(d: Mapping[str, Any] | None, digits: int = 2, scale: float = 1.0, unit: 
 def environment() -> dict[str, Any]:
     """Where and on what the numbers were measured."""
     cpu = platform.processor() or platform.machine()
+    ids: dict[str, str] = {}
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("vendor_id", "cpu family", "model", "model name") and key not in ids:
+                ids[key] = value.strip()
+            if line.strip() == "":
+                break  # the first processor's block is enough
+    cpu = ids.get("model name", cpu)
 
     def git(*args: str) -> str:
         try:
@@ -64,6 +69,9 @@ def environment() -> dict[str, Any]:
         # The servers run from the working tree: note engine files that differ from the commit.
         "engine_uncommitted": git("status", "--porcelain", "--", "engine_image").splitlines(),
         "cpu": cpu,
+        # A model name such as "AMD EPYC" covers several generations; the family tells them
+        # apart, and the kernel paths are gated on it (scripts/patches/ggml-cpu-paths.patch).
+        "cpu_family": cpu_family(ids),
         "cpu_count": os.cpu_count(),
         "loadavg_at_start": list(os.getloadavg()),
         "omp_wait_policy": OMP_CHOICE.policy,  # the servers' OpenMP threads between steps
@@ -71,6 +79,22 @@ def environment() -> dict[str, Any]:
         "llama_cpp_python": llama_version,
         "platform": platform.platform(),
     }
+
+
+def cpu_family(ids: Mapping[str, str]) -> str:
+    """The vendor's family and model from /proc/cpuinfo fields, as the vendors write them
+    ("family 1Ah model 02h"); "" where the fields are missing (not x86, or no /proc)."""
+    try:
+        family, model = int(ids["cpu family"]), int(ids["model"])
+    except (KeyError, ValueError):
+        return ""
+    return f"family {family:X}h model {model:02X}h"
+
+
+def machine_name(env: Mapping[str, Any]) -> str:
+    """The CPU as every table's caption names it: model name, and family where known."""
+    family = env.get("cpu_family")
+    return f"{env['cpu']} ({family})" if family else str(env["cpu"])
 
 
 def provenance(
@@ -82,7 +106,7 @@ def provenance(
 ) -> str:
     """The line under a benchmark's tables: the machine and how busy it was (`foreign`: the
     cores other processes used, per run), what ran, and how to run it again."""
-    machine = f"{env['cpu']}, {env['cpu_count']} cores"
+    machine = f"{machine_name(env)}, {env['cpu_count']} cores"
     if env.get("loadavg_at_start"):
         machine += f"; load average at start {env['loadavg_at_start'][0]:.2f}"
     if foreign:

@@ -66,7 +66,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -198,24 +198,53 @@ def bare_loop(model: Path, cfg: Config, k: int) -> dict[str, Any]:
     return {"decode_tps": k * 1e3 / ms, "ms_per_step": ms}
 
 
-def stream(
-    client: httpx.Client, base: str, text: str, n: int
-) -> tuple[float, float, float, list[int]]:
-    """(t_send, t_first, t_last, tokens) of one streamed greedy completion."""
+class Streamed(NamedTuple):
+    """One streamed greedy completion. llama-server sends no event for a token that ends in the
+    middle of a UTF-8 character (its bytes go out with the next token's text), so ``tokens``
+    can lack ids; ``n_decoded`` (its final event's count) and ``text`` are whole."""
+
+    t_send: float
+    t_first: float
+    t_last: float
+    tokens: list[int]
+    text: str
+    n_decoded: int
+
+
+def stream(client: httpx.Client, base: str, text: str, n: int) -> Streamed:
+    """One streamed greedy completion of ``n`` tokens."""
     body = {"prompt": text, "n_predict": n, "temperature": 0, "ignore_eos": True,
             "stream": True, "cache_prompt": False}  # fmt: skip
     t_send = time.perf_counter()
     t_first = t_last = 0.0
     tokens: list[int] = []
+    pieces: list[str] = []
+    predicted: int | None = None
     for now, ev in H.sse_events(client, f"{base}/completion", body):
         toks = ev.get("tokens") or []
         if toks:
             t_first = t_first or now
             t_last = now
             tokens += toks
-    if len(tokens) != n:
-        raise H.BenchError(f"{base}: {len(tokens)} tokens streamed, {n} asked")
-    return t_send, t_first, t_last, tokens
+        pieces.append(ev.get("content") or "")
+        if ev.get("stop") and "tokens_predicted" in ev:
+            predicted = int(ev["tokens_predicted"])
+    n_decoded = len(tokens) if predicted is None else predicted
+    if n_decoded != n or len(tokens) > n_decoded:
+        raise H.BenchError(
+            f"{base}: {n_decoded} tokens decoded ({len(tokens)} streamed), {n} asked"
+        )
+    return Streamed(t_send, t_first, t_last, tokens, "".join(pieces), n_decoded)
+
+
+def same_answer(
+    a_tokens: Sequence[int], b_tokens: Sequence[int], a_text: str | None, b_text: str | None
+) -> bool:
+    """Whether two greedy answers agree: token by token where both streams carry every id,
+    by their text where one lacks ids (llama-server's withheld mid-character tokens)."""
+    if len(a_tokens) == len(b_tokens) or a_text is None or b_text is None:
+        return list(a_tokens) == list(b_tokens)
+    return a_text == b_text
 
 
 def one_level(srv: Server, cfg: Config, model: str, rep: int, k: int) -> dict[str, Any]:
@@ -248,12 +277,13 @@ def one_level(srv: Server, cfg: Config, model: str, rep: int, k: int) -> dict[st
         stop.set()
         if started[0]:
             prober.join(30)
-    spans = [(first, last) for _, first, last, _ in runs]
-    decoded = sum(len(toks) - 1 for *_, toks in runs)
+    spans = [(r.t_first, r.t_last) for r in runs]
+    decoded = sum(r.n_decoded - 1 for r in runs)
     return {
         "decode_tps": decoded / H.merged_length(spans),
-        "first_token_s": max(first - send for send, first, _, _ in runs),
-        "tokens": [toks for *_, toks in runs],  # stream by stream, in prompt order
+        "first_token_s": max(r.t_first - r.t_send for r in runs),
+        "tokens": [r.tokens for r in runs],  # stream by stream, in prompt order
+        "texts": [r.text for r in runs],
         "probe_ttft_s": probes,
     }
 
@@ -312,18 +342,22 @@ def agent_turn(
     t_first = 0.0
     tokens: list[int] = []
     final: dict[str, Any] = {}
+    pieces: list[str] = []
     for now, ev in H.sse_events(client, f"{base}/completion", body):
         if ev.get("tokens"):
             t_first = t_first or now
             tokens += ev["tokens"]
+        pieces.append(ev.get("content") or "")
         if ev.get("stop"):
             final = ev
     t_done = time.perf_counter()
     timings = final.get("timings") or {}
     if not t_first or not timings:
         raise H.BenchError(f"{base}: an agent got no token or no final event: {final}")
-    if len(tokens) != body["n_predict"]:
-        raise H.BenchError(f"{base}: {len(tokens)} tokens streamed, {body['n_predict']} asked")
+    # The final event's count: llama-server streams no id for a mid-character token (Streamed).
+    decoded = int(final.get("tokens_predicted", len(tokens)))
+    if decoded != body["n_predict"]:
+        raise H.BenchError(f"{base}: {decoded} tokens decoded, {body['n_predict']} asked")
     return {
         "sent_s": t_send - t_release,
         "ttft_s": t_first - t_send,
@@ -334,6 +368,7 @@ def agent_turn(
         "id_slot": final.get("id_slot"),
         "tokens_cached": final.get("tokens_cached"),
         "tokens": tokens,
+        "text": "".join(pieces),
     }
 
 
@@ -540,16 +575,24 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare_tokens(a_runs: Mapping[int, Any], b_runs: Mapping[int, Any]) -> dict[str, Any]:
+def compare_tokens(
+    a_runs: Mapping[int, Any],
+    b_runs: Mapping[int, Any],
+    a_texts: Mapping[int, Any] | None = None,
+    b_texts: Mapping[int, Any] | None = None,
+) -> dict[str, Any]:
     """Two servers' streams for the same prompts (repetition -> streams), stream by stream:
-    how many agree exactly, and where each that does not first diverges."""
+    how many agree exactly (``same_answer``), and where each that does not first diverges."""
     diverged: list[int] = []
     compared = 0
     for rep in sorted(set(a_runs) & set(b_runs)):
-        for x, y in zip(a_runs[rep], b_runs[rep], strict=True):
+        xs_text = (a_texts or {}).get(rep) or [None] * len(a_runs[rep])
+        ys_text = (b_texts or {}).get(rep) or [None] * len(b_runs[rep])
+        for x, y, sx, sy in zip(a_runs[rep], b_runs[rep], xs_text, ys_text, strict=True):
             compared += 1
-            if (at := first_divergence(x, y)) is not None:
-                diverged.append(at)
+            if not same_answer(x, y, sx, sy):
+                at = first_divergence(x, y)
+                diverged.append(min(len(x), len(y)) if at is None else at)
     return {
         "identical": compared - len(diverged),
         "compared": compared,
@@ -567,8 +610,8 @@ def analyse_decode(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
         for k in cfg.levels:
 
             def of(key: str, field_: str, k: int = k, model: str = model) -> dict[int, Any]:
-                return {
-                    r["rep"]: r[field_]
+                return {  # .get: runs published before a field was added lack it
+                    r["rep"]: r.get(field_)
                     for r in runs
                     if r["model"] == model and r["k"] == k and r["server"] == key
                 }
@@ -594,7 +637,9 @@ def analyse_decode(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
                             "n": len(probes),
                         }
             row["tokens"] = {
-                f"{a}_vs_{b}": compare_tokens(of(a, "tokens"), of(b, "tokens"))
+                f"{a}_vs_{b}": compare_tokens(
+                    of(a, "tokens"), of(b, "tokens"), of(a, "texts"), of(b, "texts")
+                )
                 for a, b in TOKEN_PAIRS
                 if tps[a] and tps[b]
             }
@@ -676,7 +721,7 @@ def analyse_shared(raw: dict[str, Any]) -> dict[str, Any]:
                         [a["kv_cells"] / b["kv_cells"] for a, b in pairs]
                     ).as_dict()
                     same = [
-                        x["tokens"] == y["tokens"]
+                        same_answer(x["tokens"], y["tokens"], x.get("text"), y.get("text"))
                         for a, b in pairs
                         for x, y in zip(a["agents"], b["agents"], strict=True)
                     ]
