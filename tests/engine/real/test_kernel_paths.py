@@ -53,14 +53,16 @@ def cpu_identity() -> tuple[str, int]:
 
 def measured_to_win(variant: str | None, vendor: str, family: int) -> list[str]:
     """The table in docs/performance.md (kernel paths): in zen4, an Intel Xeon every path; in
-    zen4 (Zen 4) and haswell (Zen 3), an AMD EPYC the Q4_1 column path and the attention path;
-    any other CPU in those variants the attention path (ggml's own tiled kernel, on fewer
-    rows); any other variant none."""
+    zen4 (Zen 4, Zen 5) and haswell (Zen 3), an AMD EPYC the Q4_1 column path and the
+    attention path; any other CPU in those variants the attention path (ggml's own tiled
+    kernel, on fewer rows); any other variant none."""
     if variant not in MEASURED_VARIANTS:
         return []
     if variant == "zen4" and (vendor, family) == ("GenuineIntel", 6):
         return ALL
     if (vendor, family) == ("AuthenticAMD", 0x19):
+        return ["q4_1_cols", "fa_runs"]
+    if variant == "zen4" and (vendor, family) == ("AuthenticAMD", 0x1A):
         return ["q4_1_cols", "fa_runs"]
     return ["fa_runs"]
 
