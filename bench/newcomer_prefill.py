@@ -12,7 +12,8 @@ with SIGSTOP so they take no CPU):
   ``fa_runs``, through ``POLYKV_GGML_PATHS``): what the tiled attention of a paced chunk
   brings, side by side;
 * **PolyKV, no floor** — the same engine, the decoding sessions on a pool without a policy:
-  the prompt goes in one step, as the engine did before pacing ("today's");
+  the prompt goes in steps of up to ``n_batch`` (2,048) tokens with the decoding sessions'
+  rows beside it, as the engine did before pacing ("today's"): one step at 2k, four at 8k;
 * **llama-server** — upstream, built from the same llama.cpp tree
   (``bench/build_llama_server.sh``, no PolyKV patches), unified KV (``-kvu``) so the
   newcomer's context fits beside the others, the same prompts with no pool.
@@ -325,8 +326,9 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         f"longest any decoding session waited for a token between the arrival and its first "
         f"token after the newcomer's, in floor periods ({period_ms:.0f} ms; the target is "
         f"≤ 1.5). *First token*: the newcomer's. PolyKV, floor: the sessions' pool has the floor "
-        f"and the engine paces the prompt; PolyKV, no floor: the same engine, the prompt in one "
-        f"step (the engine before pacing); {perquery}all on PolyKV's llama-cpp-python "
+        f"and the engine paces the prompt; PolyKV, no floor: the same engine, the prompt in "
+        f"steps of up to 2,048 tokens (the engine's default `-b`; the engine before pacing); "
+        f"{perquery}all on PolyKV's llama-cpp-python "
         f"{env.get('llama_cpp_python', '?')} wheel with its ggml patches; {ls_build}. "
         f"Median (min–max) of "
         f"{cfg.reps} repetitions, the servers alternating; `-np {max(cfg.decoders) + 1} -c "
