@@ -25,7 +25,7 @@ from typing import Any
 from . import harness as H
 from . import report as R
 from . import upstream as U
-from .vs_llama_server import OMP_VARS, prompt, same_answer, stream
+from .vs_llama_server import OMP_VARS, prompt, stream, streams_agree
 
 NAME = "kernel_paths"
 PATHS_ENV = "POLYKV_GGML_PATHS"
@@ -72,13 +72,8 @@ def decode(base_url: str, cfg: Config, model: str, rep: int, k: int) -> dict[str
 
 
 def same_streams(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Whether two runs' streams all agree (``same_answer``: by text where one lacks ids)."""
-    a_texts = a.get("texts") or [None] * len(a["tokens"])
-    b_texts = b.get("texts") or [None] * len(b["tokens"])
-    return all(
-        same_answer(x, y, sx, sy)
-        for x, y, sx, sy in zip(a["tokens"], b["tokens"], a_texts, b_texts, strict=True)
-    )
+    """Whether two runs' streams all agree (``streams_agree``: by text where one lacks ids)."""
+    return all(streams_agree(a["tokens"], b["tokens"], a.get("texts"), b.get("texts")))
 
 
 def measure_model(cfg: Config, binary: str, model: str, raw: dict[str, Any]) -> None:

@@ -39,17 +39,8 @@ def med(d: Mapping[str, Any] | None, digits: int = 2, scale: float = 1.0, unit: 
 
 def environment() -> dict[str, Any]:
     """Where and on what the numbers were measured."""
-    cpu = platform.processor() or platform.machine()
-    ids: dict[str, str] = {}
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("vendor_id", "cpu family", "model", "model name") and key not in ids:
-                ids[key] = value.strip()
-            if line.strip() == "":
-                break  # the first processor's block is enough
-    cpu = ids.get("model name", cpu)
+    ids = cpuinfo_fields()
+    cpu = ids.get("model name") or platform.processor() or platform.machine()
 
     def git(*args: str) -> str:
         try:
@@ -79,6 +70,19 @@ def environment() -> dict[str, Any]:
         "llama_cpp_python": llama_version,
         "platform": platform.platform(),
     }
+
+
+def cpuinfo_fields() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ("vendor_id", "cpu family", "model",
+    "model name", ...); {} where there is no /proc."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if not line.strip():
+                break  # the first processor's block is enough
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    return fields
 
 
 def cpu_family(ids: Mapping[str, str]) -> str:

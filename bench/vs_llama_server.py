@@ -575,6 +575,22 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def streams_agree(
+    a_streams: Sequence[Sequence[int]],
+    b_streams: Sequence[Sequence[int]],
+    a_texts: Sequence[str | None] | None = None,
+    b_texts: Sequence[str | None] | None = None,
+) -> list[bool]:
+    """Stream by stream, whether two runs of the same prompts gave the same answer
+    (``same_answer``; runs published before texts were recorded have none)."""
+    a_texts = a_texts or [None] * len(a_streams)
+    b_texts = b_texts or [None] * len(b_streams)
+    return [
+        same_answer(x, y, sx, sy)
+        for x, y, sx, sy in zip(a_streams, b_streams, a_texts, b_texts, strict=True)
+    ]
+
+
 def compare_tokens(
     a_runs: Mapping[int, Any],
     b_runs: Mapping[int, Any],
@@ -586,11 +602,12 @@ def compare_tokens(
     diverged: list[int] = []
     compared = 0
     for rep in sorted(set(a_runs) & set(b_runs)):
-        xs_text = (a_texts or {}).get(rep) or [None] * len(a_runs[rep])
-        ys_text = (b_texts or {}).get(rep) or [None] * len(b_runs[rep])
-        for x, y, sx, sy in zip(a_runs[rep], b_runs[rep], xs_text, ys_text, strict=True):
+        agree = streams_agree(
+            a_runs[rep], b_runs[rep], (a_texts or {}).get(rep), (b_texts or {}).get(rep)
+        )
+        for x, y, same in zip(a_runs[rep], b_runs[rep], agree, strict=True):
             compared += 1
-            if not same_answer(x, y, sx, sy):
+            if not same:
                 at = first_divergence(x, y)
                 diverged.append(min(len(x), len(y)) if at is None else at)
     return {

@@ -3,7 +3,7 @@ Zen 5, whose kernel paths differ, so the family read from /proc/cpuinfo goes bes
 
 from __future__ import annotations
 
-from bench.report import cpu_family, environment, machine_name, provenance
+from bench.report import cpu_family, cpuinfo_fields, environment, machine_name, provenance
 
 
 def test_the_family_and_model_are_written_in_hex_as_the_vendors_do() -> None:
@@ -31,3 +31,4 @@ def test_this_machine_records_a_family_where_proc_cpuinfo_has_one() -> None:
     with open("/proc/cpuinfo") as f:
         has_family = any(line.startswith("cpu family") for line in f)
     assert bool(env["cpu_family"]) == has_family
+    assert env["cpu"] == cpuinfo_fields().get("model name", env["cpu"])

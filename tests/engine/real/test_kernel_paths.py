@@ -9,10 +9,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from bench.report import cpuinfo_fields
 from polykv_engine.llama.runtime import KERNEL_PATHS_ENV
 from tests.engine.real.ggml_graphs import ggml
 
@@ -42,12 +42,7 @@ def chosen(paths: str | None) -> tuple[str | None, list[str]]:
 
 def cpu_identity() -> tuple[str, int]:
     """(vendor, family) as /proc/cpuinfo reports cpuid's."""
-    fields: dict[str, str] = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-        if not line.strip():
-            break
+    fields = cpuinfo_fields()
     return fields.get("vendor_id", "?"), int(fields.get("cpu family", "-1"))
 
 
