@@ -172,17 +172,20 @@ def one_run(
     # Each session's longest wait for a token from the arrival until its first token after
     # the newcomer's first: the whole prefill lies inside that window.
     during: list[tuple[float, float]] = []  # (longest gap, when it began after the arrival)
+    gaps: list[float] = []  # every gap in those windows: the rate the sessions kept
     for ts in times:
         after = [t for t in ts if t > t_send]
         window = [t_send] + [t for t in after if t <= t_first]
         window += [t for t in after if t > t_first][:1]
         during.append(max((b - a, a - t_send) for a, b in itertools.pairwise(window)))
+        gaps += [b - a for a, b in itertools.pairwise(window[1:])]
     longest = max(during)
     return {
         "ttft_s": t_first - t_send,
         "gap_before_median_s": statistics.median(before),
         "gap_during_max_s": longest[0],
         "gap_during_max_began_s": longest[1],  # after the arrival: where to look for its cause
+        "gap_during_median_s": statistics.median(gaps) if gaps else None,
         "gap_during_per_session_s": [gap for gap, _ in during],
         "foreign_cpu_cores": cpu.foreign_cores,
     }
@@ -282,6 +285,9 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
                 rs = list(of(key).values())
                 if not rs:
                     continue
+                during = [
+                    1.0 / r["gap_during_median_s"] for r in rs if r.get("gap_during_median_s")
+                ]
                 row[key] = {
                     "ttft_s": H.summarize([r["ttft_s"] for r in rs]).as_dict(),
                     "gap_max_s": H.summarize([r["gap_during_max_s"] for r in rs]).as_dict(),
@@ -289,6 +295,9 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
                         [r["gap_during_max_s"] / period for r in rs]
                     ).as_dict(),
                     "gap_before_s": H.summarize([r["gap_before_median_s"] for r in rs]).as_dict(),
+                    # the rate the decoding sessions kept while the prompt went in (runs
+                    # before 2026-12-07 did not record it)
+                    "tps_during": H.summarize(during).as_dict() if during else None,
                     "foreign_cpu_cores": H.summarize(
                         [r["foreign_cpu_cores"] for r in rs]
                     ).as_dict(),
@@ -325,7 +334,9 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         f"k sessions decode; a newcomer sends a fresh prompt of N tokens. *Largest gap*: the "
         f"longest any decoding session waited for a token between the arrival and its first "
         f"token after the newcomer's, in floor periods ({period_ms:.0f} ms; the target is "
-        f"≤ 1.5). *First token*: the newcomer's. PolyKV, floor: the sessions' pool has the floor "
+        f"≤ 1.5). *Their rate during it*: one over the median of those waits, the rate the "
+        f"sessions kept while the paced prompt went in (the floor: {cfg.floor_tps:g} tok/s). "
+        f"*First token*: the newcomer's. PolyKV, floor: the sessions' pool has the floor "
         f"and the engine paces the prompt; PolyKV, no floor: the same engine, the prompt in "
         f"steps of up to 2,048 tokens (the engine's default `-b`; the engine before pacing); "
         f"{perquery}all on PolyKV's llama-cpp-python "
@@ -339,6 +350,8 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     headers = ["N tokens, k decoding", "gap before"]
     for key in cfg.servers:
         headers += [f"{LABELS[key]}: largest gap", "first token"]
+        if key == "polykv_floor":
+            headers.append("their rate during it")
     headers.append("first token, floor ÷ no floor")
     rows = []
     for n in cfg.prompt_tokens:
@@ -352,6 +365,8 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
                 periods = c.get("gap_max_periods")
                 cells.append(f"{R.fmt(gap, 2, 1, ' s')} ({R.med(periods, 1)}×)" if gap else "–")
                 cells.append(R.fmt(c.get("ttft_s"), 1, 1, " s"))
+                if key == "polykv_floor":
+                    cells.append(R.fmt(c.get("tps_during"), 1, 1, " tok/s"))
             cells.append(R.fmt(row.get("ttft_vs_no_floor"), 2, 1, "×"))
             rows.append(cells)
     lines.append(R.markdown_table(headers, rows))

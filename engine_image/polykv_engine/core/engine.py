@@ -107,6 +107,7 @@ class Engine:
             alpha=CYCLE_ALPHA, min_steps=CYCLE_MIN_STEPS, fresh_s=CYCLE_FRESH_S
         )
         self._cycle_from: tuple[int, float] | None = None  # (sessions in the batch, start)
+        self._paced_end: float | None = None  # when the last step that paced a prompt ended
         self._counters = Counters()
         self._deltas: dict[str, float] = {}  # bumps since the last publish, applied there
         self._batch: Batch | None = None
@@ -215,6 +216,7 @@ class Engine:
                 idle = not self._has_work()
                 if idle:
                     self._cycle_from = None  # an idle wait is no session's step time
+                    self._paced_end = None
                 self._drain_inbox(block=idle)
                 self._gather_arrivals()
                 if self._stop_requested:
@@ -552,6 +554,9 @@ class Engine:
         if self._cycle_from is not None:
             self._cycle_timer.record(self._cycle_from[0], t0 - self._cycle_from[1], t0)
             self._cycle_from = None
+        if self._paced_end is not None:
+            self._pacer.record_loop(t0 - self._paced_end)
+            self._paced_end = None
         batch = self._batch
         assert batch is not None
         if self.slots.park_due:  # before the batch: new cells may then land low in the cache
@@ -604,6 +609,8 @@ class Engine:
             self._step_timer.record(decoding, seconds)
         elif not retried:
             self._pacer.record(batch.n - decode_tokens, seconds, t_dec if decoding else None)
+            if decoding:
+                self._paced_end = time.perf_counter()
         if decoding:
             # Keyed by every session in the batch, not the decoding ones only: a step that
             # carries another session's prompt is that session's cost, and admission asks

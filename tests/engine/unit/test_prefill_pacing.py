@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from polykv_engine.policy.prefill import (
+    AIM,
     FEWEST_ROWS,
     FIRST_CHUNK,
+    LOOP_ALPHA,
     MIN_CHUNK,
-    PACE,
     STRETCH,
     PrefillModel,
     PrefillPacer,
@@ -39,11 +40,11 @@ def test_the_budget_fills_the_floor_period_beside_the_decode_step() -> None:
     # 40 prompt tokens beside a 20 ms decode step took 140 ms: 3 ms a prompt token.
     pacer.record(40, 0.14, 0.02)
     assert pacer.model.token_s == pytest.approx(0.003)
-    # A 5 tok/s floor: 200 ms between tokens, of which PACE is the step's.
-    expected = int((PACE * 0.2 - 0.02) / 0.003)
+    # A 5 tok/s floor: 200 ms between tokens; step and loop aim at AIM periods.
+    expected = int((AIM * 0.2 - 0.02) / 0.003)
     assert pacer.budget(0.2, 0.02, CAP) == expected
     # Eight sessions' slower decode step leaves less room for the prompt.
-    assert pacer.budget(0.2, 0.05, CAP) == int((PACE * 0.2 - 0.05) / 0.003)
+    assert pacer.budget(0.2, 0.05, CAP) == int((AIM * 0.2 - 0.05) / 0.003)
 
 
 def test_the_per_token_cost_follows_a_prompt_that_grows_dearer() -> None:
@@ -63,12 +64,11 @@ def test_a_step_no_slower_than_its_decode_part_does_not_make_the_prompt_free() -
 def test_a_floor_the_decode_step_already_misses_still_lets_the_prompt_in() -> None:
     pacer = PrefillPacer()
     pacer.record(40, 0.42, 0.02)  # 10 ms a prompt token
-    # 170 ms of the period, 160 ms of decoding: the prompt gets as long as the decode step.
+    # 190 ms aimed at, 160 ms of decoding: the prompt gets as long as the decode step.
     assert pacer.budget(0.2, 0.16, CAP) == 16
     # A machine so busy that the decode step alone takes 640 ms: still 64 tokens a step.
     assert pacer.budget(0.2, 0.64, CAP) == 64
-    # Never below the smallest chunk.
-    assert pacer.budget(0.2, 0.001, CAP) == int((PACE * 0.2 - 0.001) / 0.01)
+    assert pacer.budget(0.2, 0.001, CAP) == int((AIM * 0.2 - 0.001) / 0.01)
     pacer.record(40, 40.0, 0.02)  # a very slow step: about 0.5 s a token now
     # Even one token stretches the step past the floor: the fewest rows worth a step.
     assert pacer.budget(0.2, 0.02, CAP) == FEWEST_ROWS
@@ -76,15 +76,34 @@ def test_a_floor_the_decode_step_already_misses_still_lets_the_prompt_in() -> No
 
 def test_deep_in_a_long_prompt_a_chunk_shrinks_to_keep_the_step_near_the_period() -> None:
     pacer = PrefillPacer()
-    # 10 ms a prompt token: the period's room holds 13, so the smallest chunk (16) goes in.
+    # 10 ms a prompt token: the aim's room holds 15, so the smallest chunk (16) goes in.
     pacer.record(10, 0.132, 0.032)
     assert pacer.budget(0.2, 0.032, CAP) == MIN_CHUNK
-    # 23 ms a token (8,000 tokens in): 16 would hold the decoding sessions 1.8 periods;
+    # 23 ms a token (8,000 tokens in): 16 would hold the decoding sessions 2 periods;
     # the chunk shrinks to what fits in STRETCH periods beside their decode.
     pacer = PrefillPacer()
     pacer.record(10, 0.262, 0.032)
     assert pacer.budget(0.2, 0.032, CAP) == int((STRETCH * 0.2 - 0.032) / 0.023)
     assert 0.032 + pacer.budget(0.2, 0.032, CAP) * 0.023 <= STRETCH * 0.2
+
+
+def test_the_loop_after_a_paced_step_comes_out_of_the_prompt_share() -> None:
+    pacer = PrefillPacer()
+    pacer.record(40, 0.14, 0.02)  # 3 ms a prompt token
+    pacer.record_loop(0.03)  # the first loop time is taken as it is
+    assert pacer.model.loop_s == pytest.approx(0.03)
+    assert pacer.budget(0.2, 0.02, CAP) == int((AIM * 0.2 - 0.03 - 0.02) / 0.003)
+    pacer.record_loop(0.01)  # then followed with LOOP_ALPHA
+    assert pacer.model.loop_s == pytest.approx(0.03 + LOOP_ALPHA * (0.01 - 0.03))
+    pacer.record_loop(-1.0)  # a clock that went back is not a loop time
+    assert pacer.model.loop_s == pytest.approx(0.03 + LOOP_ALPHA * (0.01 - 0.03))
+    # Between two tokens of a decoding session: the step and the loop.
+    model = pacer.model
+    k = model.budget(0.2, 0.02, CAP)
+    assert model.step_s(0.2, 0.02, 5000, CAP) == pytest.approx(
+        0.02 + k * model.token_s + model.loop_s  # type: ignore[operator]
+    )
+    assert model.step_s(0.2, 0.02, 5000, CAP) <= AIM * 0.2
 
 
 def test_the_tightest_floor_decides_and_sessions_without_one_take_the_default() -> None:
@@ -96,10 +115,10 @@ def test_the_tightest_floor_decides_and_sessions_without_one_take_the_default() 
 
 def test_the_step_time_while_prompts_are_paced() -> None:
     model = PrefillModel(token_s=0.003)
-    # Paced at a 5 tok/s floor: the step is the budget's, about PACE x the period.
+    # Paced at a 5 tok/s floor: the step is the budget's, about AIM x the period.
     paced = model.step_s(0.2, 0.02, 5000, CAP)
-    assert paced == pytest.approx(0.02 + int((PACE * 0.2 - 0.02) / 0.003) * 0.003)
-    assert paced <= PACE * 0.2
+    assert paced == pytest.approx(0.02 + int((AIM * 0.2 - 0.02) / 0.003) * 0.003)
+    assert paced <= AIM * 0.2
     # The decode step alone over the period: the prompt's share is as long again.
     assert model.step_s(0.2, 0.3, 5000, CAP) == pytest.approx(0.3 + 100 * 0.003)
     # A short prompt takes less than the budget.
