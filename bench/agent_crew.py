@@ -532,9 +532,23 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         "",
         R.markdown_table(headers, rows),
         "",
-        R.provenance(NAME, env, foreign),
+        R.provenance(
+            result_name(cfg.model),
+            env,
+            foreign,
+            command=f"python -m bench.{NAME}"
+            + ("" if cfg.model == Config.model else f" --model {cfg.model}"),
+        ),
     ]
     return "\n".join(lines)
+
+
+def result_name(model: str) -> str:
+    """Where a run on ``model`` is published: the default model's under the benchmark's name
+    (the front page reads it), any other model's beside it, so both tables stand."""
+    if model == Config.model:
+        return NAME
+    return f"{NAME}_" + re.sub(r"[^a-z0-9]+", "_", model.lower()).strip("_")
 
 
 def chart(data: Mapping[str, Any], out_dir: Path) -> list[Path]:
@@ -543,7 +557,7 @@ def chart(data: Mapping[str, Any], out_dir: Path) -> list[Path]:
     return charts.tps_against_floor(
         {LABELS[k]: r["series"] for k, r in runs.items()},
         float(cfg["floor_tps"]),
-        out_dir / f"{NAME}.png",
+        out_dir / f"{result_name(cfg['model'])}.png",
         f"{cfg['model']}: mean tokens/s of the sessions decoding (the run of median wall time)",
     )
 
@@ -559,7 +573,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--servers", default=",".join(SERVERS), help=f"a subset of {','.join(SERVERS)}")
     R.add_output_flags(p)
     args = p.parse_args(argv)
-    if (rc := R.from_json(NAME, args, Config, analyse, render, charts=chart)) is not None:
+    if args.from_json is not None:
+        model = json.loads(args.from_json.read_text())["config"]["model"]
+        rc = R.from_json(result_name(model), args, Config, analyse, render, charts=chart)
+        assert rc is not None
         return rc
     cfg = Config(
         reps=args.reps,
@@ -578,7 +595,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if binary is None and "llama_server" in cfg.servers:
         return 0
     return R.run_and_publish(
-        NAME, cfg, args, lambda c: measure(c, binary), analyse, render, charts=chart
+        result_name(cfg.model),
+        cfg,
+        args,
+        lambda c: measure(c, binary),
+        analyse,
+        render,
+        charts=chart,
     )
 
 

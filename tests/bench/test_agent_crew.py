@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from bench.agent_crew import TOOLS, Config, called_tool, step_text, tool_pause, tool_result
+from bench.agent_crew import (
+    NAME,
+    TOOLS,
+    Config,
+    called_tool,
+    result_name,
+    step_text,
+    tool_pause,
+    tool_result,
+)
 
 
 def test_a_call_names_its_tool_even_when_cut_short() -> None:
@@ -21,3 +30,9 @@ def test_steps_tool_results_and_pauses_are_fixed_by_round_and_worker() -> None:
     assert read[1] == run[1]
     assert cfg.tool_pause_s[0] <= tool_pause(cfg, 1, 3) <= cfg.tool_pause_s[1]
     assert tool_pause(cfg, 1, 3) == tool_pause(cfg, 1, 3)
+
+
+def test_each_model_publishes_a_table_of_its_own() -> None:
+    # The front page reads the default model's results; another model's stand beside them.
+    assert result_name(Config.model) == NAME
+    assert result_name("gemma-3-270m-q4_k_m") == f"{NAME}_gemma_3_270m_q4_k_m"
