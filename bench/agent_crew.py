@@ -536,19 +536,15 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
             result_name(cfg.model),
             env,
             foreign,
-            command=f"python -m bench.{NAME}"
-            + ("" if cfg.model == Config.model else f" --model {cfg.model}"),
+            command=R.command_line(NAME, cfg.model, Config.model),
         ),
     ]
     return "\n".join(lines)
 
 
 def result_name(model: str) -> str:
-    """Where a run on ``model`` is published: the default model's under the benchmark's name
-    (the front page reads it), any other model's beside it, so both tables stand."""
-    if model == Config.model:
-        return NAME
-    return f"{NAME}_" + re.sub(r"[^a-z0-9]+", "_", model.lower()).strip("_")
+    """Where a run on ``model`` is published (the front page reads the default model's)."""
+    return R.result_name(NAME, model, Config.model)
 
 
 def chart(data: Mapping[str, Any], out_dir: Path) -> list[Path]:

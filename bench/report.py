@@ -101,6 +101,23 @@ def machine_name(env: Mapping[str, Any]) -> str:
     return f"{env['cpu']} ({family})" if family else str(env["cpu"])
 
 
+def result_name(name: str, model: str, default_model: str) -> str:
+    """Where a benchmark's run on ``model`` is published: the default model's under the
+    benchmark's own name (the front page may read it), any other model's beside it, so both
+    tables stand."""
+    if model == default_model:
+        return name
+    return f"{name}_" + re.sub(r"[^a-z0-9]+", "_", model.lower()).strip("_")
+
+
+def command_line(name: str, model: str, default_model: str, extra: str = "") -> str:
+    """How to run that benchmark again on ``model``."""
+    cmd = f"python -m bench.{name}"
+    if model != default_model:
+        cmd += f" --model {model}"
+    return cmd + (f" {extra}" if extra else "")
+
+
 def provenance(
     name: str,
     env: Mapping[str, Any],

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -149,6 +150,7 @@ class Config:
     threads: int = 2
     flash_attn: str = "on"
     ls_modes: tuple[str, ...] = LS_MODES
+    swa_full: bool = False  # a sliding-window model: a rejected guess must be droppable
 
 
 @dataclass
@@ -195,6 +197,8 @@ def stream_rate(client: httpx.Client, tgt: Target, tokens: list[int], n: int) ->
 @contextlib.contextmanager
 def targets(cfg: Config, binary: str, model: Path) -> Iterator[tuple[list[Target], Api]]:
     common = ["-np", "1", "-c", "4096", "-t", str(cfg.threads), "-fa", cfg.flash_attn]
+    if cfg.swa_full:  # both servers: a window that recycles cells cannot take a guess back
+        common.append("--swa-full")
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(H.http_client())
         eng = stack.enter_context(
@@ -307,7 +311,8 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
         "server of its own (no draft model). *Same text*: repetitions whose tokens equal the "
         f"run without speculation. Median (min–max) of {cfg.reps} repetitions, fresh servers "
         f"each, configurations alternating; greedy, {cfg.n_predict} tokens, `-np 1 -c 4096 "
-        f"-t {cfg.threads} -fa {cfg.flash_attn}`.",
+        f"-t {cfg.threads} -fa {cfg.flash_attn}{' --swa-full' if cfg.swa_full else ''}` for "
+        f"every server.",
         "",
     ]
     headers = ["workload", "PolyKV none", "PolyKV ngram", "speed-up", "kept", "same text",
@@ -336,7 +341,15 @@ def render(cfg: Config, raw: dict[str, Any], res: dict[str, Any]) -> str:
     foreign = [r["foreign_cpu_cores"] for r in raw["runs"]]
     lines += [
         "",
-        R.provenance(NAME, env, foreign, note=f"Prompt tokens: {raw.get('prompt_tokens')}."),
+        R.provenance(
+            result_name(cfg.model),
+            env,
+            foreign,
+            note=f"Prompt tokens: {raw.get('prompt_tokens')}.",
+            command=R.command_line(
+                NAME, cfg.model, Config.model, "--swa-full" if cfg.swa_full else ""
+            ),
+        ),
     ]
     return "\n".join(lines)
 
@@ -347,19 +360,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default=Config.model)
     p.add_argument("--n-predict", type=int, default=Config.n_predict)
     p.add_argument("--ls-modes", default=",".join(LS_MODES), help="llama-server --spec-type's")
+    p.add_argument(
+        "--swa-full",
+        action="store_true",
+        help="both servers keep a sliding-window model's whole cache (Gemma 3: else no guess)",
+    )
     R.add_output_flags(p)
     args = p.parse_args(argv)
-    if (rc := R.from_json(NAME, args, Config, analyse, render)) is not None:
+    if args.from_json is not None:
+        model = json.loads(args.from_json.read_text())["config"]["model"]
+        rc = R.from_json(result_name(model), args, Config, analyse, render)
+        assert rc is not None
         return rc
     modes = tuple(m for m in args.ls_modes.split(",") if m)
-    cfg = Config(reps=args.reps, model=args.model, n_predict=args.n_predict, ls_modes=modes)
+    cfg = Config(
+        reps=args.reps,
+        model=args.model,
+        n_predict=args.n_predict,
+        ls_modes=modes,
+        swa_full=args.swa_full,
+    )
     if args.quick:
         cfg.reps, cfg.n_predict = 1, 96
     if cfg.reps < 1 or cfg.n_predict < 16 or "none" not in cfg.ls_modes:
         p.error("--reps >= 1, --n-predict >= 16, --ls-modes must include none")
     if (binary := llama_server_or_skip(NAME)) is None:
         return 0
-    return R.run_and_publish(NAME, cfg, args, lambda c: measure(c, binary), analyse, render)
+    name = result_name(cfg.model)
+    return R.run_and_publish(name, cfg, args, lambda c: measure(c, binary), analyse, render)
+
+
+def result_name(model: str) -> str:
+    """Where a run on ``model`` is published (the default model's under the bench's name)."""
+    return R.result_name(NAME, model, Config.model)
 
 
 if __name__ == "__main__":
