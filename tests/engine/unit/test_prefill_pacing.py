@@ -64,7 +64,7 @@ def test_a_step_no_slower_than_its_decode_part_does_not_make_the_prompt_free() -
 def test_a_floor_the_decode_step_already_misses_still_lets_the_prompt_in() -> None:
     pacer = PrefillPacer()
     pacer.record(40, 0.42, 0.02)  # 10 ms a prompt token
-    # 190 ms aimed at, 160 ms of decoding: the prompt gets as long as the decode step.
+    # 170 ms aimed at, 160 ms of decoding: the prompt gets as long as the decode step.
     assert pacer.budget(0.2, 0.16, CAP) == 16
     # A machine so busy that the decode step alone takes 640 ms: still 64 tokens a step.
     assert pacer.budget(0.2, 0.64, CAP) == 64
@@ -76,7 +76,7 @@ def test_a_floor_the_decode_step_already_misses_still_lets_the_prompt_in() -> No
 
 def test_deep_in_a_long_prompt_a_chunk_shrinks_to_keep_the_step_near_the_period() -> None:
     pacer = PrefillPacer()
-    # 10 ms a prompt token: the aim's room holds 15, so the smallest chunk (16) goes in.
+    # 10 ms a prompt token: the aim's room holds 13, so the smallest chunk (16) goes in.
     pacer.record(10, 0.132, 0.032)
     assert pacer.budget(0.2, 0.032, CAP) == MIN_CHUNK
     # 23 ms a token (8,000 tokens in): 16 would hold the decoding sessions 2 periods;
