@@ -2,7 +2,9 @@
 
 The template comes from the GGUF (``tokenizer.chat_template``), as llama-server does with
 ``--jinja``. It runs in a sandboxed Jinja environment: templates are data from a model file.
-A model without a template falls back to ChatML.
+A model file without a template gets its family's turn format where the family is known
+(a Gemma model rendered as ChatML reads markers it never saw in training), else ChatML, as
+llama-server does.
 """
 
 from __future__ import annotations
@@ -18,6 +20,25 @@ CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+# Gemma's turns: user and model only, so system text opens the first user turn.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.system = ns.system + m['content'] + '\n\n' %}"
+    "{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{% if m['role'] != 'assistant' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+    "{{ m['content'] | trim }}<end_of_turn>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+FAMILY_TEMPLATES = {"gemma": GEMMA_TEMPLATE, "gemma2": GEMMA_TEMPLATE, "gemma3": GEMMA_TEMPLATE}
+
+
+def fallback_template(architecture: str) -> str:
+    """The turn format for a model file that carries no chat template, by its
+    ``general.architecture``."""
+    return FAMILY_TEMPLATES.get(architecture, CHATML_TEMPLATE)
 
 
 class ChatTemplateError(ValueError):
@@ -45,8 +66,10 @@ def canonical(value: Any) -> Any:
 
 
 class ChatRenderer:
-    def __init__(self, template: str | None, bos_token: str, eos_token: str) -> None:
-        self.source = template or CHATML_TEMPLATE
+    def __init__(
+        self, template: str | None, bos_token: str, eos_token: str, architecture: str = ""
+    ) -> None:
+        self.source = template or fallback_template(architecture)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise

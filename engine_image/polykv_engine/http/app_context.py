@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from prometheus_client import Histogram
 
 from polykv_api.agent_headers import SessionHeaders
 from polykv_api.models import ChatCompletionRequest, ChatMessage, PromptPart
-from polykv_engine.chat.template import ChatRenderer, ChatTemplateError
+from polykv_engine.chat.template import CHATML_TEMPLATE, ChatRenderer, ChatTemplateError
 from polykv_engine.chat.tools import (
     ToolError,
     ToolFormat,
@@ -27,6 +28,8 @@ from polykv_engine.http.errors import ApiError
 from polykv_engine.http.metrics import PoolGauges
 from polykv_engine.http.response_store import ResponseStore
 from polykv_engine.llama.runtime import LlamaRuntime
+
+log = logging.getLogger("polykv.chat")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +106,15 @@ class AppContext:
                 rt.info.chat_template,
                 rt.token_bytes(rt.info.bos, special=True).decode("utf-8", "replace"),
                 rt.token_bytes(rt.info.eos, special=True).decode("utf-8", "replace"),
+                rt.info.architecture,
             )
+            if rt.info.chat_template is None:
+                log.warning(
+                    "the model file has no chat template: chat requests use %s",
+                    "its family's turn format"
+                    if self._renderer.source != CHATML_TEMPLATE
+                    else "ChatML",
+                )
         return self._renderer
 
     # ------------------------------------------------------------------ prompts → tokens

@@ -295,6 +295,7 @@ class ModelInfo:
     is_hybrid: bool
     n_swa: int  # sliding-window size of the SWA layers; 0 = full attention everywhere
     chat_template: str | None
+    architecture: str  # the GGUF's general.architecture (llama, gemma3, ...)
     bos: int
     eos: int
     add_bos: bool
@@ -567,6 +568,9 @@ class LlamaRuntime:
         buf = ctypes.create_string_buffer(256)
         C.llama_model_desc(m, buf, ctypes.sizeof(buf))
         tmpl = C.llama_model_chat_template(m, None)
+        arch = ctypes.create_string_buffer(64)
+        if C.llama_model_meta_val_str(m, b"general.architecture", arch, ctypes.sizeof(arch)) < 0:
+            arch.value = b""
         return ModelInfo(
             path=str(path),
             description=buf.value.decode("utf-8", "replace"),
@@ -582,6 +586,7 @@ class LlamaRuntime:
             is_hybrid=bool(C.llama_model_is_hybrid(m)),
             n_swa=int(C.llama_model_n_swa(m)),
             chat_template=tmpl.decode("utf-8", "replace") if tmpl else None,
+            architecture=arch.value.decode("utf-8", "replace"),
             bos=int(C.llama_vocab_bos(self._vocab)),
             eos=int(C.llama_vocab_eos(self._vocab)),
             add_bos=bool(C.llama_vocab_get_add_bos(self._vocab)),

@@ -47,6 +47,13 @@ def test_pools_stay_whole_past_the_window_and_equal_unpooled(gemma3: Path, tmp_p
             assert (memory["kind"], memory["sliding_window"]) == ("sliding_window", 512)
             assert memory["swa_full"]
             assert memory["swa_full_extra_bytes"] == (16384 - 1536) * 15 * 2 * 256 * 4
+            # The file carries no chat template: chat renders Gemma's turns, not ChatML.
+            msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+            chat = api.post("/apply-template", json={"messages": msgs}).json()["prompt"]
+            assert chat.endswith(
+                "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+            ), chat
+            assert "<|im_start|>" not in chat
             below = greedy(tokens(TEXT * 14)[:300], 4, session_id="below")
             system = tokens(TEXT * 30)[:640]
             tail = tokens(" Summarize it for a child:", special=False)
