@@ -28,6 +28,7 @@ from polykv_api.agent_headers import (
     header_names,
 )
 from polykv_api.limits import MAX_DRAFT
+from polykv_engine.chat.template import ChatRenderer, ChatTemplateError
 from polykv_engine.core.config import EngineConfig
 from polykv_engine.core.engine import Engine
 from polykv_engine.core.tasks import SpecParams
@@ -59,6 +60,7 @@ class JsonFormatter(logging.Formatter):
 STREAM_INTERVAL_MS = 50
 MAX_SNAPSHOT_MIB = 1 << 24  # 16 TiB: a typo's extra digits are refused, not allocated for
 MAX_SESSION_SAVE_S = 3600.0  # no grace period is longer (and nan is refused)
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20  # models' own templates are tens of KB
 
 
 def _env(name: str, default: Any) -> Any:
@@ -84,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-m", "--model", type=Path, default=_env("MODEL", None), help="GGUF model path")
     p.add_argument("-a", "--alias", default=_env("ALIAS", None), help="model name in responses")
+    p.add_argument(
+        "--chat-template-file",
+        type=Path,
+        default=_env("CHAT_TEMPLATE_FILE", None),
+        help="Jinja chat template to use instead of the model file's (for a file without one)",
+    )
     p.add_argument(
         "-c",
         "--ctx-size",
@@ -449,6 +457,21 @@ def _read_keys(path: Path | None, flag: str, parser: argparse.ArgumentParser) ->
         parser.error(f"{flag}: {exc}")
 
 
+def _chat_template(path: Path | None, parser: argparse.ArgumentParser) -> str | None:
+    """--chat-template-file, read and compiled at start: a bad template fails here, not on
+    the first chat request."""
+    if path is None:
+        return None
+    try:
+        if path.stat().st_size > MAX_CHAT_TEMPLATE_BYTES:
+            parser.error(f"--chat-template-file: over {MAX_CHAT_TEMPLATE_BYTES} bytes")
+        text = path.read_text(encoding="utf-8")
+        ChatRenderer(text, "", "")
+    except (OSError, UnicodeDecodeError, ChatTemplateError) as exc:
+        parser.error(f"--chat-template-file: {exc}")
+    return text
+
+
 def _keys(
     given: list[str], env: str, path: Path | None, flag: str, parser: argparse.ArgumentParser
 ) -> list[KeyEntry]:
@@ -526,6 +549,7 @@ def config_from_args(
         parser.error("--polykv-stream-interval-ms must be between 0 and 1000")
     if not 50 <= args.polykv_tps_interval_ms <= 60_000:
         parser.error("--polykv-tps-interval-ms must be between 50 and 60000")
+    chat_template = _chat_template(args.chat_template_file, parser)
     entries = _keys(args.api_key, "LLAMA_API_KEY", args.api_key_file, "--api-key-file", parser)
     key_tenants = assign_tenants(entries)
     api_keys = tuple(key for key, _ in key_tenants)
@@ -600,6 +624,7 @@ def config_from_args(
         router_keys=router_keys,
         metrics=args.metrics,
         model_alias=args.alias,
+        chat_template=chat_template,
         tps_stream_interval_ms=args.polykv_tps_interval_ms,
         stream_interval_s=args.polykv_stream_interval_ms / 1e3,
         shutdown_timeout_s=args.shutdown_timeout,

@@ -44,6 +44,7 @@ class ServerSettings:
     router_keys: tuple[str, ...] = ()  # X-PolyKV-Router-Key values that mark the router
     metrics: bool = False
     model_alias: str | None = None
+    chat_template: str | None = None  # --chat-template-file: used instead of the model's
     tps_stream_interval_ms: int = 500
     stream_interval_s: float = 0.0  # a stream's tokens leave at most this often (first at once)
     shutdown_timeout_s: float = 20.0
@@ -103,12 +104,12 @@ class AppContext:
         if self._renderer is None:
             rt = self.rt
             self._renderer = ChatRenderer(
-                rt.info.chat_template,
+                self.settings.chat_template or rt.info.chat_template,
                 rt.token_bytes(rt.info.bos, special=True).decode("utf-8", "replace"),
                 rt.token_bytes(rt.info.eos, special=True).decode("utf-8", "replace"),
                 rt.info.architecture,
             )
-            if rt.info.chat_template is None:
+            if self.settings.chat_template is None and rt.info.chat_template is None:
                 log.warning(
                     "the model file has no chat template: chat requests use %s",
                     "its family's turn format"
