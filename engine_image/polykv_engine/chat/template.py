@@ -22,7 +22,8 @@ CHATML_TEMPLATE = (
 )
 
 
-# Gemma's turns: user and model only, so system text opens the first user turn.
+# Gemma's turns: user and model only, so system text opens the next user turn (or one of
+# its own when none follows).
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% set ns = namespace(system='') %}"
     "{% for m in messages %}"
@@ -30,7 +31,9 @@ GEMMA_TEMPLATE = (
     "{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
     "{% if m['role'] != 'assistant' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
     "{{ m['content'] | trim }}<end_of_turn>\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    "{% endfor %}"
+    "{% if ns.system %}<start_of_turn>user\n{{ ns.system | trim }}<end_of_turn>\n{% endif %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 FAMILY_TEMPLATES = {"gemma": GEMMA_TEMPLATE, "gemma2": GEMMA_TEMPLATE, "gemma3": GEMMA_TEMPLATE}
 

@@ -30,6 +30,12 @@ def test_a_template_less_gemma_file_gets_gemma_turns() -> None:
     once = r.render(CONVERSATION[:2], add_generation_prompt=False)
     assert once == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
     assert fallback_template("gemma2") == fallback_template("gemma3")
+    # A system message with no user turn after it still reaches the model.
+    late = [*CONVERSATION[1:3], {"role": "system", "content": "Answer in French."}]
+    assert r.render(late) == (
+        "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nAnswer in French.<end_of_turn>\n<start_of_turn>model\n"
+    )
 
 
 def test_an_unknown_family_falls_back_to_chatml() -> None:
