@@ -569,10 +569,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--servers", default=",".join(SERVERS), help=f"a subset of {','.join(SERVERS)}")
     R.add_output_flags(p)
     args = p.parse_args(argv)
-    if args.from_json is not None:
-        model = json.loads(args.from_json.read_text())["config"]["model"]
-        rc = R.from_json(result_name(model), args, Config, analyse, render, charts=chart)
-        assert rc is not None
+    if (
+        rc := R.from_json(
+            lambda c: result_name(c.model), args, Config, analyse, render, charts=chart
+        )
+    ) is not None:
         return rc
     cfg = Config(
         reps=args.reps,

@@ -241,7 +241,7 @@ _META = ("benchmark", "config", "elapsed_s", "summary")  # what run_and_publish 
 
 
 def from_json(
-    name: str,
+    name: str | Callable[[Any], str],
     args: Any,
     config: Callable[..., Any],
     analyse: Callable[[Any, dict[str, Any]], Any],
@@ -251,13 +251,16 @@ def from_json(
 ) -> int | None:
     """``--from-json FILE``: a results file this benchmark wrote, analysed and rendered again
     (its environment and commit stay as recorded; JSON lists become the config's tuples;
-    `transform`, when given, may add to it first). None when the flag is absent: measure."""
+    `transform`, when given, may add to it first; ``name`` may be a function of the config,
+    for a benchmark that publishes each model apart). None when the flag is absent: measure."""
     if args.from_json is None:
         return None
     data = json.loads(args.from_json.read_text())
     if transform is not None:
         data = transform(data)
     cfg = config(**{k: tuple(v) if isinstance(v, list) else v for k, v in data["config"].items()})
+    if callable(name):
+        name = name(cfg)
     raw = {k: v for k, v in data.items() if k not in _META}
     return republish(
         name,

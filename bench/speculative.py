@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -367,10 +366,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     R.add_output_flags(p)
     args = p.parse_args(argv)
-    if args.from_json is not None:
-        model = json.loads(args.from_json.read_text())["config"]["model"]
-        rc = R.from_json(result_name(model), args, Config, analyse, render)
-        assert rc is not None
+    if (
+        rc := R.from_json(lambda c: result_name(c.model), args, Config, analyse, render)
+    ) is not None:
         return rc
     modes = tuple(m for m in args.ls_modes.split(",") if m)
     cfg = Config(
