@@ -24,7 +24,9 @@
 # patch unpacks it once for up to 8 tokens, and for one token reads its activations once for 4
 # weight rows. ggml-cpu-q4_K_M-cols.patch does the same for Q4_K_M's two K-quants: repacked Q4_K
 # weights for the 2-3 tokens ggml's 4-token tiles leave over, and Q6_K (no batched kernel on
-# x86) for up to 8 tokens. Either way the logits stay bit-identical. ggml-cpu-tiled-fa-runs.patch
+# x86) for up to 8 tokens. ggml-cpu-q5_1-cols.patch does it for Q5_1 (no batched kernel on x86
+# either): a weight block's 5-bit quants are rebuilt once for up to 8 tokens. Either way the
+# logits stay bit-identical. ggml-cpu-tiled-fa-runs.patch
 # sends a paced prompt chunk's attention (under 64 rows) to ggml's tiled kernel, whose tiles
 # pack only the cells their rows see: exact to float32 rounding (tests/engine/real), though
 # its sums round otherwise than the per-query kernel's. ggml-cpu-paths.patch

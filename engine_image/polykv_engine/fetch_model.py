@@ -94,6 +94,7 @@ DOWNLOADS: dict[str, Download] = {
 DERIVED: dict[str, Derived] = {
     "smollm2-135m-instruct-q8_0": Derived("smollm2-135m-instruct-q4_1", "Q8_0"),
     "smollm2-135m-instruct-q4_k_m": Derived("smollm2-135m-instruct-q4_1", "Q4_K_M"),
+    "smollm2-135m-instruct-q5_1": Derived("smollm2-135m-instruct-q4_1", "Q5_1"),
 }
 ALL = [*DOWNLOADS, *DERIVED]
 

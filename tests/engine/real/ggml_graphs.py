@@ -36,6 +36,7 @@ from polykv_engine.llama.runtime import KERNEL_PATHS_ENV, BackendInfo, init_back
 GGML_TYPE_F32 = 0
 GGML_TYPE_F16 = 1
 GGML_TYPE_Q4_1 = 3
+GGML_TYPE_Q5_1 = 7
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
 GGML_STATUS_SUCCESS = 0
 

@@ -1,5 +1,6 @@
-"""Our build's Q4_1 kernels (scripts/patches/ggml-cpu-q4_1-cols.patch) compute what ggml's
-own Q4_1 kernel computes, bit for bit.
+"""Our build's Q4_1 and Q5_1 kernels (scripts/patches/ggml-cpu-q4_1-cols.patch and
+ggml-cpu-q5_1-cols.patch) compute what ggml's own kernels compute, bit for bit, on SmolLM2 as
+published (Q4_1) and quantized here to Q5_1.
 
 With flash attention on, llama.cpp's CPU logits do not depend on how tokens are batched: each
 weight product is one dot product per (weight row, token), however many tokens share the step
@@ -28,15 +29,21 @@ from tests.conftest import real_model_path
 
 pytestmark = pytest.mark.real_model
 
-MODEL = "smollm2-135m-instruct-q4_1"
+# model -> the weight type its patched kernels take
+MODELS = {"smollm2-135m-instruct-q4_1": "Q4_1", "smollm2-135m-instruct-q5_1": "Q5_1"}
 SESSIONS = 11
 PROMPT_LENS = [5, 9, 3, 12, 7, 4, 10, 6, 8, 2, 11]
 STEPS = 4
 
 
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def model_path() -> Path:
-    return real_model_path(MODEL)
+def model_path(model: str) -> Path:
+    return real_model_path(model)
 
 
 @pytest.fixture
@@ -103,9 +110,9 @@ def prompt_run(rt: LlamaRuntime, chunk: int) -> np.ndarray:
         batch.free()
 
 
-def test_the_model_has_q4_1_weights(runtime: LlamaRuntime) -> None:
+def test_the_model_has_the_kernels_weight_type(runtime: LlamaRuntime, model: str) -> None:
     # Otherwise the tests below would not reach the patched kernel.
-    assert "Q4_1" in runtime.info.description, runtime.info.description
+    assert MODELS[model] in runtime.info.description, runtime.info.description
 
 
 def test_a_decode_step_of_eleven_sessions_equals_eleven_one_token_steps(

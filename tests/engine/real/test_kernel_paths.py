@@ -16,7 +16,7 @@ from bench.report import cpuinfo_fields
 from polykv_engine.llama.runtime import KERNEL_PATHS_ENV
 from tests.engine.real.ggml_graphs import ggml
 
-ALL = ["q4_1_rows", "q4_1_cols", "q4_K_cols", "q6_K_cols", "fa_runs"]
+ALL = ["q4_1_rows", "q4_1_cols", "q4_K_cols", "q6_K_cols", "q5_1_cols", "fa_runs"]
 MEASURED_VARIANTS = ("zen4", "haswell")
 PROBE = (
     "import json; from polykv_engine.llama.runtime import init_backend; b = init_backend(); "
@@ -83,6 +83,6 @@ def test_the_environment_chooses_the_paths(variant: str | None) -> None:
 
 
 def test_an_unknown_path_name_is_refused_at_start() -> None:
-    done = probe("q4_1_cols,q5_1_cols")
+    done = probe("q4_1_cols,q5_0_cols")
     assert done.returncode != 0
-    assert f"{KERNEL_PATHS_ENV}: unknown kernel path(s) q5_1_cols" in done.stderr
+    assert f"{KERNEL_PATHS_ENV}: unknown kernel path(s) q5_0_cols" in done.stderr
