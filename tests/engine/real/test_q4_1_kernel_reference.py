@@ -127,15 +127,22 @@ def reference_product(w: Blocks, x: Blocks) -> Reference:
 # --- ggml ----------------------------------------------------------------------------------
 
 
-def ggml_product(w_raw: np.ndarray, rows: int, k: int, x: np.ndarray, n_threads: int) -> np.ndarray:
-    """W (rows x k, Q4_1 bytes) times the columns of x (columns x k, float32) computed by ggml,
-    as float32 [columns, rows]."""
+def ggml_product(
+    w_raw: np.ndarray,
+    rows: int,
+    k: int,
+    x: np.ndarray,
+    n_threads: int,
+    w_type: int = GGML_TYPE_Q4_1,
+) -> np.ndarray:
+    """W (rows x k, bytes of w_type: Q4_1 unless said) times the columns of x (columns x k,
+    float32) computed by ggml, as float32 [columns, rows]."""
     with Graph(w_raw.nbytes + x.nbytes * 3 + rows * x.shape[0] * 4) as graph:
-        w = graph.tensor(GGML_TYPE_Q4_1, [k, rows], w_raw)
+        w = graph.tensor(w_type, [k, rows], w_raw)
         xt = graph.tensor(GGML_TYPE_F32, [k, x.shape[0]], x.astype(np.float32))
         out = int(graph.g.base.ggml_mul_mat(graph.ctx, w, xt))
         # The conditions that route the product to the patched kernels.
-        assert graph.type_name(w) == "q4_1"
+        assert graph.head(w).type == w_type
         assert graph.head(w).buffer is None, "a weight in a backend buffer may be repacked"
         assert graph.op_name(out) == "MUL_MAT"
         assert list(graph.head(out).ne) == [rows, x.shape[0], 1, 1]
@@ -373,9 +380,14 @@ def test_the_tolerance_rejects_a_wrong_product(broken: Broken) -> None:
     rows, k = 5, 96
     w_raw = random_q4_1(rng, rows, k)
     x = rng.standard_normal((9, k)).astype(np.float32)
-    got = ggml_product(w_raw, rows, k, x, 1).astype(np.float64)
-    w, xq = q4_1_blocks(w_raw, k), q8_1_blocks(x)
-    ref = reference_product(w, xq)
-    assert (np.abs(got - ref.out) <= ref.tolerance).all()
-    off = np.abs(got - broken.product(w, xq)) / ref.tolerance
+    got = ggml_product(w_raw, rows, k, x, 1)
+    assert_rejects(got, q4_1_blocks(w_raw, k), q8_1_blocks(x), broken)
+
+
+def assert_rejects(got: np.ndarray, w: Blocks, x: Blocks, broken: Broken) -> None:
+    """ggml's product got is within the tolerance of the right reference, and the broken one
+    is outside it by far."""
+    ref = reference_product(w, x)
+    assert (np.abs(got.astype(np.float64) - ref.out) <= ref.tolerance).all()
+    off = np.abs(got - broken.product(w, x)) / ref.tolerance
     assert off.max() > 100, f"{broken.name}: only {off.max():.1f} times the tolerance"

@@ -29,10 +29,9 @@ import ctypes
 import numpy as np
 import pytest
 
+from tests.engine.real import test_q4_1_kernel_reference as q4_1_tests
 from tests.engine.real.ggml_graphs import (
-    GGML_TYPE_F32,
     GGML_TYPE_Q5_1,
-    Graph,
     binary_symbols,
     cpu_module,
     ggml,
@@ -83,15 +82,8 @@ def random_q5_1(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
 
 
 def ggml_product(w_raw: np.ndarray, rows: int, k: int, x: np.ndarray, n_threads: int) -> np.ndarray:
-    """W (rows x k, Q5_1 bytes) times the columns of x (columns x k, float32) computed by ggml,
-    as float32 [columns, rows]."""
-    with Graph(w_raw.nbytes + x.nbytes * 3 + rows * x.shape[0] * 4) as graph:
-        w = graph.tensor(GGML_TYPE_Q5_1, [k, rows], w_raw)
-        xt = graph.tensor(GGML_TYPE_F32, [k, x.shape[0]], x.astype(np.float32))
-        out = int(graph.g.base.ggml_mul_mat(graph.ctx, w, xt))
-        assert graph.type_name(w) == "q5_1"
-        assert graph.head(w).buffer is None, "a weight in a backend buffer may be repacked"
-        return graph.compute(out, n_threads).reshape(x.shape[0], rows)
+    """W (rows x k, Q5_1 bytes) times x's columns, by ggml (float32 [columns, rows])."""
+    return q4_1_tests.ggml_product(w_raw, rows, k, x, n_threads, GGML_TYPE_Q5_1)
 
 
 def kernels() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
@@ -162,16 +154,20 @@ def test_random_q5_1_products_match_the_reference(n_threads: int, k: int) -> Non
     print(f"k={k}, {n_threads} threads, path {'on' if on else 'off'}: worst {worst:.3f}")
 
 
-def test_the_tolerance_rejects_a_lost_fifth_bit() -> None:
-    """On the kernel's own output (9 columns: 8 batched and one alone), the right reference is
-    within the tolerance and one that drops the qh bits is far outside it."""
+def _fifth_bit_lost(w: Blocks, x: Blocks) -> np.ndarray:
+    return reference_product(Blocks(w.d, w.extra, w.q & 0x0F), x).out
+
+
+BROKEN = [*q4_1_tests.BROKEN, q4_1_tests.Broken("fifth bit lost", _fifth_bit_lost)]
+
+
+@pytest.mark.parametrize("broken", BROKEN, ids=[b.name for b in BROKEN])
+def test_the_tolerance_rejects_a_wrong_product(broken: q4_1_tests.Broken) -> None:
+    """On the kernel's own output (9 columns: 8 batched and one alone, on one thread), the
+    right reference is within the tolerance and each wrong one is far outside it."""
     rng = np.random.default_rng(4)
     rows, k = 5, 96
     w_raw = random_q5_1(rng, rows, k)
     x = rng.standard_normal((9, k)).astype(np.float32)
-    got = ggml_product(w_raw, rows, k, x, 1).astype(np.float64)
-    w, xq = q5_1_blocks(w_raw, k), q8_1_blocks(x)
-    ref = reference_product(w, xq)
-    assert (np.abs(got - ref.out) <= ref.tolerance).all()
-    wrong = reference_product(Blocks(w.d, w.extra, w.q & 0x0F), xq).out
-    assert (np.abs(got - wrong) / ref.tolerance).max() > 100
+    got = ggml_product(w_raw, rows, k, x, 1)
+    q4_1_tests.assert_rejects(got, q5_1_blocks(w_raw, k), q8_1_blocks(x), broken)
