@@ -4,8 +4,9 @@ upstream llama-server's own speculative modes, on agent-like turns and on plain 
 Workloads (one chat turn each, rendered once through the engine's chat template and sent as
 the same tokens to every server):
 
-* *tool call* — a tool result listing records, then a request to call a tool with one
-  record's fields: the answer echoes arguments from the context;
+* *tool call* — an agent's transcript: it listed one team's files and read each of them, one
+  JSON call per record, then listed another team's; its next turn reads those, echoing each
+  record's id, path and row count from the tool result as its own earlier calls did;
 * *code edit* — a file, then a request to rename a function and output the whole file: the
   answer repeats most of the file;
 * *quoting summary* — a report, then a request to summarise it quoting its key sentences;
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -53,11 +55,31 @@ LABELS = {
     "prose": "prose",
 }
 
-_RECORDS = "\n".join(
-    f'{{"id": {1000 + i}, "path": "/srv/data/shard-{i:02d}/part-{i * 7 % 13:02d}.parquet", '
-    f'"owner": "team-{"abcdefgh"[i % 8]}", "rows": {12000 + 37 * i}}}'
-    for i in range(24)
-)
+_RECORDS = [
+    {
+        "id": 1000 + i,
+        "path": f"/srv/data/shard-{i:02d}/part-{i * 7 % 13:02d}.parquet",
+        "owner": f"team-{'abcdefgh'[i % 8]}",
+        "rows": 12000 + 37 * i,
+    }
+    for i in range(64)
+]
+
+
+def _listing(team: str) -> str:
+    """What the list_files tool returns for a team: its records, one JSON object a line."""
+    return "\n".join(json.dumps(r) for r in _RECORDS if r["owner"] == team)
+
+
+def _reads(team: str) -> str:
+    """The agent's read_file calls for a team's records, one JSON object a line."""
+    return "\n".join(
+        json.dumps({"tool": "read_file", "id": r["id"], "path": r["path"], "rows": r["rows"]})
+        for r in _RECORDS
+        if r["owner"] == team
+    )
+
+
 _CODE = "\n".join(
     [
         "import math",
@@ -99,16 +121,21 @@ _REPORT = (
     "team recommends moving the backup schedule from nightly to every six hours."
 )
 CHATS: dict[str, list[dict[str, str]]] = {
+    # An agent's transcript as the model sees it on its next turn (tool calls and results in
+    # plain turns: SmolLM2's template has no tool roles).
     "tool_call": [
-        {"role": "system", "content": "You call tools by answering with one JSON object."},
         {
-            "role": "user",
-            "content": "The tool list_files returned:\n"
-            + _RECORDS
-            + "\n\nCall the tool read_file for every record owned by team-c, one JSON object "
-            'per line, copying each record\'s id, path and rows exactly: {"tool": '
-            '"read_file", "id": ..., "path": "...", "rows": ...}',
+            "role": "system",
+            "content": "You are an agent. You call tools by answering with JSON objects, "
+            "one per line.",
         },
+        {"role": "user", "content": "Load the data files of team-a, then those of team-c."},
+        {"role": "assistant", "content": '{"tool": "list_files", "owner": "team-a"}'},
+        {"role": "user", "content": "The tool list_files returned:\n" + _listing("team-a")},
+        {"role": "assistant", "content": _reads("team-a")},
+        {"role": "user", "content": "The tool read_file returned 8 files."},
+        {"role": "assistant", "content": '{"tool": "list_files", "owner": "team-c"}'},
+        {"role": "user", "content": "The tool list_files returned:\n" + _listing("team-c")},
     ],
     "code_edit": [
         {"role": "system", "content": "You are a careful programmer."},
