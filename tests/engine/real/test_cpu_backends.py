@@ -26,6 +26,7 @@ QUANTIZED = [
     "smollm2-135m-instruct-q4_1",
     "smollm2-135m-instruct-q8_0",
     "smollm2-135m-instruct-q4_k_m",
+    "smollm2-135m-instruct-q5_1",
     "gemma-3-270m-q4_k_m",
 ]
 
