@@ -1,7 +1,8 @@
 """PolyKV's patched kernel paths on and off, against upstream llama-server, in one run.
 
 The engine's wheel carries batched kernels for weight types ggml has no batched path for on
-x86 (scripts/patches: Q4_1, Q4_K_M's repacked Q4_K and its Q6_K, and Q5_1), gated per CPU
+x86 (scripts/patches: Q4_1, Q4_K_M's repacked Q4_K and its Q6_K, and Q5_1), and 512-bit ones
+for Q5_0 and Q8_0 (which llamafile's tinyBLAS batches in 256-bit registers), gated per CPU
 family by ggml-cpu-paths.patch. This runs, per model, three servers with the same flags: upstream
 llama-server built from the same llama.cpp tree without the patches, PolyKV with the paths its
 gate picks for this CPU, and PolyKV with every path off (``POLYKV_GGML_PATHS=none``, ggml's
@@ -44,6 +45,7 @@ class Config:
         "smollm2-135m-instruct-q4_k_m",
         "smollm2-135m-instruct-q4_1",
         "smollm2-135m-instruct-q5_1",
+        "smollm2-135m-instruct-q8_0",
     )
     levels: tuple[int, ...] = (1, 2, 4, 8)
     n_predict: int = 96

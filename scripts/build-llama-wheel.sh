@@ -29,7 +29,11 @@
 # logits stay bit-identical. ggml-cpu-tiled-fa-runs.patch
 # sends a paced prompt chunk's attention (under 64 rows) to ggml's tiled kernel, whose tiles
 # pack only the cells their rows see: exact to float32 rounding (tests/engine/real), though
-# its sums round otherwise than the per-query kernel's. ggml-cpu-paths.patch
+# its sums round otherwise than the per-query kernel's. ggml-cpu-zmm-q0-cols.patch gives Q8_0 and
+# Q5_0 weights (most of a small model's Q4_K_M bytes, and all of a Q8_0 model's) a 2..8-token
+# kernel in the zen4 variant that holds two weight rows per 512-bit register: the same eight
+# float lanes per output, summed in the same order, as llamafile's tinyBLAS, which it replaces
+# there. ggml-cpu-paths.patch
 # gates these kernel paths: each is compiled into the zen4 and haswell variants only (the ones
 # they were measured on) and runs only on the CPU families it was measured to win on in the
 # variant loaded, chosen once from cpuid or from POLYKV_GGML_PATHS (docs/performance.md). The wheel records what it

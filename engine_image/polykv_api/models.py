@@ -656,8 +656,9 @@ class CpuBackend(BaseModel):
     )
     kernel_paths: list[str] = Field(
         description="the patched kernel paths that run here (q4_1_rows, q4_1_cols, q4_K_cols, "
-        "q6_K_cols, q5_1_cols, fa_runs): by default those measured to win on this CPU family "
-        "in this variant, or the ones POLYKV_GGML_PATHS names; elsewhere ggml's own kernels run"
+        "q6_K_cols, q5_1_cols, fa_runs, q5_0_cols, q8_0_cols): by default those measured to "
+        "win on this CPU family in this variant, or the ones POLYKV_GGML_PATHS names; "
+        "elsewhere ggml's own kernels run"
     )
     threads: int = Field(
         description="compute threads for decoding (-t; by default the cores "

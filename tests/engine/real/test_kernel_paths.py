@@ -16,7 +16,17 @@ from bench.report import cpuinfo_fields
 from polykv_engine.llama.runtime import KERNEL_PATHS_ENV
 from tests.engine.real.ggml_graphs import ggml
 
-ALL = ["q4_1_rows", "q4_1_cols", "q4_K_cols", "q6_K_cols", "q5_1_cols", "fa_runs"]
+ALL = [
+    "q4_1_rows",
+    "q4_1_cols",
+    "q4_K_cols",
+    "q6_K_cols",
+    "q5_1_cols",
+    "fa_runs",
+    "q5_0_cols",
+    "q8_0_cols",
+]
+ZMM_ONLY = {"q5_0_cols", "q8_0_cols"}  # 512-bit code: compiled into zen4 alone
 MEASURED_VARIANTS = ("zen4", "haswell")
 PROBE = (
     "import json; from polykv_engine.llama.runtime import init_backend; b = init_backend(); "
@@ -46,6 +56,13 @@ def cpu_identity() -> tuple[str, int]:
     return fields.get("vendor_id", "?"), int(fields.get("cpu family", "-1"))
 
 
+def compiled(variant: str | None) -> list[str]:
+    """The paths the variant carries: zen4 all, haswell all but the 512-bit ones."""
+    if variant not in MEASURED_VARIANTS:
+        return []
+    return ALL if variant == "zen4" else [p for p in ALL if p not in ZMM_ONLY]
+
+
 def measured_to_win(variant: str | None, vendor: str, family: int) -> list[str]:
     """The table in docs/performance.md (kernel paths): in zen4, an Intel Xeon every path; in
     zen4 (Zen 4, Zen 5) and haswell (Zen 3), an AMD EPYC the Q4_1 column path and the
@@ -72,17 +89,16 @@ def test_by_default_the_paths_measured_on_this_cpu_family_run(variant: str | Non
 
 
 def test_the_environment_chooses_the_paths(variant: str | None) -> None:
-    compiled = variant in MEASURED_VARIANTS
     assert chosen("none") == (variant, [])
-    assert chosen("all") == (variant, ALL if compiled else [])
+    assert chosen("all") == (variant, compiled(variant))
     # Named ones in any order and spacing; the report keeps the table's order.
-    assert chosen(" q6_K_cols,q4_1_rows ") == (
+    assert chosen(" q8_0_cols, q6_K_cols,q4_1_rows ") == (
         variant,
-        ["q4_1_rows", "q6_K_cols"] if compiled else [],
+        [p for p in ["q4_1_rows", "q6_K_cols", "q8_0_cols"] if p in compiled(variant)],
     )
 
 
 def test_an_unknown_path_name_is_refused_at_start() -> None:
-    done = probe("q4_1_cols,q5_0_cols")
+    done = probe("q4_1_cols,q4_0_cols")
     assert done.returncode != 0
-    assert f"{KERNEL_PATHS_ENV}: unknown kernel path(s) q5_0_cols" in done.stderr
+    assert f"{KERNEL_PATHS_ENV}: unknown kernel path(s) q4_0_cols" in done.stderr

@@ -116,7 +116,7 @@ class Reference:
 def reference_product(w: Blocks, x: Blocks) -> Reference:
     """out[c, r] = sum over blocks b of d_w d_x (q_w . q_x) + m_w s_x, in float64."""
     dots = np.einsum("rbj,cbj->crb", w.q, x.q)  # exact integers
-    abs_dots = np.einsum("rbj,cbj->crb", w.q, np.abs(x.q))  # q_w >= 0
+    abs_dots = np.einsum("rbj,cbj->crb", np.abs(w.q), np.abs(x.q))
     scale = w.d[None, :, :] * x.d[:, None, :]
     offset = w.extra[None, :, :] * x.extra[:, None, :]
     out = (scale * dots + offset).sum(axis=-1)
