@@ -24,6 +24,7 @@ BENCHMARKS = (
     "router_overhead",
     "vs_llama_server",
     "kernel_paths",
+    "q0_kernels",
     "newcomer_prefill",
     "long_prefix",
     "unified_attention",

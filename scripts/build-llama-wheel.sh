@@ -30,7 +30,7 @@
 # sends a paced prompt chunk's attention (under 64 rows) to ggml's tiled kernel, whose tiles
 # pack only the cells their rows see: exact to float32 rounding (tests/engine/real), though
 # its sums round otherwise than the per-query kernel's. ggml-cpu-zmm-q0-cols.patch gives Q8_0 and
-# Q5_0 weights (most of a small model's Q4_K_M bytes, and all of a Q8_0 model's) a 2..8-token
+# Q5_0 weights (most of a small model's Q4_K_M bytes, and all of a Q8_0 model's) a 2..64-token
 # kernel in the zen4 variant that holds two weight rows per 512-bit register: the same eight
 # float lanes per output, summed in the same order, as llamafile's tinyBLAS, which it replaces
 # there. ggml-cpu-paths.patch

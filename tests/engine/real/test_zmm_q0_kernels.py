@@ -4,8 +4,8 @@ llamafile's tinyBLAS, which they replace, and against numpy.
 On x86 ggml sends a product of Q8_0 or Q5_0 weights with 2 or more tokens to llamafile's
 tinyBLAS_Q0_AVX (no repacking covers these types there): one 256-bit accumulator of eight
 float lanes per output, a fused multiply-add of scale times the int32 dot products per weight
-block, and a final horizontal sum. In the zen4 variant the patch computes 2..8 tokens with two
-weight rows side by side in each 512-bit register (paths q5_0_cols and q8_0_cols), keeping
+block, and a final horizontal sum. In the zen4 variant the patch computes 2..64 tokens with
+two weight rows side by side in each 512-bit register (paths q5_0_cols and q8_0_cols), keeping
 every lane's operations and the final sum's order, so the outputs must be the same bits.
 
 References that share none of the patch:
@@ -57,10 +57,11 @@ Q5_0_BLOCK = np.dtype([("d", "<f2"), ("qh", "<u4"), ("qs", "u1", (QK // 2,))])
 Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (QK,))])
 # ggml's block_q5_0 and block_q8_0: no padding between the fields.
 assert (Q5_0_BLOCK.itemsize, Q8_0_BLOCK.itemsize) == (22, 34)
-# Up to 4 tokens the kernel takes 8 rows at a time, 5..8 tokens 4 rows; other row counts and
-# 1 or 9+ tokens stay on ggml's own kernels. These reach all of them.
+# The kernel takes rows 8 at a time and tokens 8 at a time (a group of 1..4 tokens in one tile
+# of 8 rows, 5..8 in two of 4); other row counts, 1 token and 65 or more stay on ggml's own
+# kernels. These reach every group width, several groups, and both fallbacks.
 ROW_COUNTS = [2, 4, 6, 8, 12, 16, 40, 192]
-COLUMN_COUNTS = list(range(1, 10))
+COLUMN_COUNTS = [*range(1, 10), 12, 16, 17, 33, 64, 65]
 TIMEOUT = 600
 
 
@@ -275,7 +276,7 @@ def test_direct_calls_with_spaced_strides_equal_tinyblas(
     noise_w = make(rng, rows, QK).reshape(rows, -1)  # well-formed blocks: no NaN scales
     w_spaced = np.ascontiguousarray(np.hstack([w_raw, noise_w]))
     assert w_spaced.shape[1] == (k // QK + 1) * block.itemsize
-    for columns in range(2, 9):
+    for columns in [*range(2, 10), 17, 64]:
         x = rng.standard_normal((columns + 1, k + QK)).astype(np.float32)
         xq = q8_1_blocks(x)  # quantized as Q8_0 (Q8_1's s is not stored)
         x_blocks = np.zeros(xq.d.shape, dtype=Q8_0_BLOCK)
