@@ -66,6 +66,17 @@ class ComputeParams(ctypes.Structure):
     ]
 
 
+def sgemm_function(library: str) -> Any:
+    """``llamafile_sgemm`` of a loaded ggml CPU module, declared for ctypes: (params, m, n, k,
+    A, lda, B, ldb, C, ldc, A type, B type, C type), sizes in blocks, True when it computed."""
+    fn = ctypes.CDLL(library).llamafile_sgemm
+    i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    fn.restype = ctypes.c_bool
+    fn.argtypes = [ctypes.POINTER(ComputeParams), i64, i64, i64, p, i64, p, i64, p, i64]
+    fn.argtypes += [i32, i32, i32]
+    return fn
+
+
 _sgemm: Any = None
 _paths: tuple[str, ...] = ()
 
@@ -78,25 +89,7 @@ def _start(paths: str) -> None:
 
     info = init_backend()
     assert info.cpu_library, "no per-CPU ggml module is loaded"
-    fn = ctypes.CDLL(info.cpu_library).llamafile_sgemm
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    fn.restype = ctypes.c_bool
-    fn.argtypes = [
-        ctypes.POINTER(ComputeParams),
-        i64,
-        i64,
-        i64,
-        p,
-        i64,
-        p,
-        i64,
-        p,
-        i64,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
-    _sgemm, _paths = fn, tuple(info.kernel_paths)
+    _sgemm, _paths = sgemm_function(info.cpu_library), tuple(info.kernel_paths)
 
 
 def _blocks(w_type: int, rows: int, k: int, seed: int) -> np.ndarray:

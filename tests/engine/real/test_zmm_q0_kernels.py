@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bench.q0_kernels import ComputeParams, sgemm_function
 from polykv_engine.llama.runtime import Batch, LlamaRuntime, RuntimeConfig
 from tests.conftest import real_model_path
 from tests.engine.real import test_q4_1_kernel_reference as q4_1_tests
@@ -203,41 +204,13 @@ def test_products_equal_tinyblas_bit_for_bit(
     print(f"{TYPE_IDS[w_type]}, k={k}, {n_threads} threads: worst {worst:.3f} of the tolerance")
 
 
-class ComputeParams(ctypes.Structure):
-    """ggml-cpu-impl.h's struct ggml_compute_params."""
-
-    _fields_ = [
-        ("ith", ctypes.c_int),
-        ("nth", ctypes.c_int),
-        ("wsize", ctypes.c_size_t),
-        ("wdata", ctypes.c_void_p),
-        ("threadpool", ctypes.c_void_p),
-        ("use_ref", ctypes.c_bool),
-    ]
-
-
 def sgemm_spaced(
     w_type: int, w_spaced: np.ndarray, x_spaced: np.ndarray, k: int, nth: int
 ) -> np.ndarray:
     """llamafile_sgemm (the function ggml calls, exported by the CPU module) on weight rows
     and activation columns each followed by a block of noise, writing results 3 rows apart
     into NaN; every one of nth threads' shares called in turn. Returns the raw output."""
-    fn = ctypes.CDLL(str(cpu_module())).llamafile_sgemm
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    fn.restype = ctypes.c_bool
-    fn.argtypes = [
-        ctypes.POINTER(ComputeParams),
-        i64,
-        i64,
-        i64,
-        p,
-        i64,
-        p,
-        i64,
-        p,
-        i64,
-        *[ctypes.c_int] * 3,
-    ]
+    fn = sgemm_function(str(cpu_module()))
     rows, columns = w_spaced.shape[0], x_spaced.shape[0]
     ldc = rows + 3
     out = np.full((columns, ldc), np.nan, dtype=np.float32)
