@@ -262,6 +262,24 @@ def test_direct_calls_with_spaced_strides_equal_tinyblas(
         within(ours[:, :rows], reference_product(unpack(w_raw, k), x_part), f"{columns} columns")
 
 
+def test_an_activation_of_minus_128_tells_the_kernels_apart(
+    zmm: ProcessPoolExecutor, tinyblas: ProcessPoolExecutor
+) -> None:
+    """The two kernels agree on every activation ggml's quantizer writes (-127..127); on -128
+    they part, which shows that the 512-bit kernel is the one that ran. tinyBLAS multiplies
+    |w| by the activation with w's sign (a byte-sign instruction), and -(-128) does not fit
+    in a byte; the 512-bit kernel's integers are exact."""
+    rows, k = 8, QK
+    w = np.zeros((rows, 2), dtype=Q8_0_BLOCK)  # each row one block and a spare
+    w["d"], w["qs"] = 1.0, -1
+    x = np.zeros((2, 2), dtype=Q8_0_BLOCK)  # two tokens
+    x["d"], x["qs"] = 1.0, -128
+    w_raw, x_raw = (np.ascontiguousarray(a.view(np.uint8).reshape(a.shape[0], -1)) for a in (w, x))
+    ours, theirs = both(zmm, tinyblas, sgemm_spaced, GGML_TYPE_Q8_0, w_raw, x_raw, k, 1)
+    assert (ours[:, :rows] == QK * 128).all(), ours[:, :rows]
+    assert (theirs[:, :rows] == -QK * 128).all(), theirs[:, :rows]
+
+
 def _fifth_bit_lost(w: Blocks, x: Blocks) -> np.ndarray:
     return reference_product(Blocks(w.d, w.extra, ((w.q + 16) & 0x0F) - 16), x).out
 
