@@ -249,7 +249,7 @@ def decode_steps(rt: LlamaRuntime, sessions: int, together: bool) -> np.ndarray:
     (together) or one token per llama_decode. Returns the decode steps' logits."""
     rt.clear_memory()
     batch: Batch = rt.new_batch()
-    lens = [7, 4, 9][:sessions]
+    lens = [[7, 4, 9][s % 3] + s // 3 for s in range(sessions)]
     try:
         for s, n in enumerate(lens):
             batch.clear()

@@ -61,13 +61,21 @@ def avx2() -> None:
     require_avx2()
 
 
-def q5_1_blocks(raw: np.ndarray, k: int) -> Blocks:
-    """Unpack Q5_1 rows from their bytes: a value is d * q + m, q in 0..31."""
-    blocks = np.ascontiguousarray(raw).view(Q5_1_BLOCK).reshape(-1, k // QK)
+def five_bit_values(blocks: np.ndarray) -> np.ndarray:
+    """The 5-bit values 0..31 of Q5_0 or Q5_1 blocks (fields qs and qh): element j is the low
+    nibble of byte j (j < 16) or the high nibble of byte j - 16, plus 16 times bit j of qh."""
     qs = blocks["qs"].astype(np.int64)
     low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # elements 0..15, then 16..31
     bits = (blocks["qh"].astype(np.int64)[..., None] >> np.arange(QK)) & 1
-    return Blocks(blocks["d"].astype(np.float64), blocks["m"].astype(np.float64), low | bits << 4)
+    result: np.ndarray = low | bits << 4
+    return result
+
+
+def q5_1_blocks(raw: np.ndarray, k: int) -> Blocks:
+    """Unpack Q5_1 rows from their bytes: a value is d * q + m, q in 0..31."""
+    blocks = np.ascontiguousarray(raw).view(Q5_1_BLOCK).reshape(-1, k // QK)
+    d, m = blocks["d"].astype(np.float64), blocks["m"].astype(np.float64)
+    return Blocks(d, m, five_bit_values(blocks))
 
 
 def random_q5_1(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 from bench.q0_kernels import ComputeParams, sgemm_function
-from polykv_engine.llama.runtime import Batch, LlamaRuntime, RuntimeConfig
+from polykv_engine.llama.runtime import LlamaRuntime, RuntimeConfig
 from tests.conftest import real_model_path
 from tests.engine.real import test_q4_1_kernel_reference as q4_1_tests
 from tests.engine.real.ggml_graphs import (
@@ -44,6 +44,7 @@ from tests.engine.real.ggml_graphs import (
     paths_process,
     require_avx2,
 )
+from tests.engine.real.test_k_quant_kernels import decode_steps
 from tests.engine.real.test_q4_1_kernel_reference import (
     QK,
     Blocks,
@@ -51,6 +52,7 @@ from tests.engine.real.test_q4_1_kernel_reference import (
     reference_product,
     within,
 )
+from tests.engine.real.test_q5_1_kernels import five_bit_values
 
 GGML_TYPE_Q5_0, GGML_TYPE_Q8_0 = 6, 8
 ZMM_PATHS = "q5_0_cols,q8_0_cols"
@@ -93,14 +95,10 @@ def q8_0_blocks(raw: np.ndarray, k: int) -> Blocks:
 
 
 def q5_0_blocks(raw: np.ndarray, k: int) -> Blocks:
-    """Element j is the low nibble of byte j (j < 16) or the high nibble of byte j - 16, plus
-    16 times bit j of qh, minus 16."""
+    """A quant is the block's 5-bit value minus 16."""
     blocks = np.ascontiguousarray(raw).view(Q5_0_BLOCK).reshape(-1, k // QK)
-    qs = blocks["qs"].astype(np.int64)
-    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-    bits = (blocks["qh"].astype(np.int64)[..., None] >> np.arange(QK)) & 1
     d = blocks["d"].astype(np.float64)
-    return Blocks(d, np.zeros_like(d), (low | bits << 4) - 16)
+    return Blocks(d, np.zeros_like(d), five_bit_values(blocks) - 16)
 
 
 WEIGHTS: dict[int, tuple[Callable[..., np.ndarray], Callable[[np.ndarray, int], Blocks]]] = {
@@ -318,30 +316,15 @@ SESSIONS = 8
 
 
 def decode_logits(model: str) -> np.ndarray:
-    """SESSIONS prompts, one at a time, then 3 decode steps of all the sessions in one batch:
-    the decode steps' logits. Runs in the process it is submitted to."""
-    rt = LlamaRuntime(
-        RuntimeConfig(
-            real_model_path(model), n_ctx=1024, n_batch=256, n_seq_max=SESSIONS, flash_attn="on"
-        )
+    """SESSIONS prompts, then 3 decode steps of all the sessions in one batch: the decode
+    steps' logits. Runs in the process it is submitted to."""
+    config = RuntimeConfig(
+        real_model_path(model), n_ctx=1024, n_batch=256, n_seq_max=SESSIONS, flash_attn="on"
     )
-    batch: Batch = rt.new_batch()
+    rt = LlamaRuntime(config)
     try:
-        lens = [7 + (3 * s) % 5 for s in range(SESSIONS)]
-        for s, n in enumerate(lens):
-            batch.clear()
-            batch.add_span([60 + 5 * s + 11 * p for p in range(n)], 0, s, logits_last=True)
-            assert rt.decode(batch) == 0
-        steps = []
-        for step in range(3):
-            batch.clear()
-            for s in range(SESSIONS):
-                batch.add(200 + 31 * s + 7 * step, lens[s] + step, s, True)
-            assert rt.decode(batch) == 0
-            steps.append(np.stack([rt.logits(i).copy() for i in range(SESSIONS)]))
-        return np.stack(steps)
+        return decode_steps(rt, SESSIONS, together=True)
     finally:
-        batch.free()
         rt.close()
 
 
